@@ -1,0 +1,1 @@
+"""The daemon's HTTP API and the client the CLI uses."""

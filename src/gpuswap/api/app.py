@@ -1,0 +1,209 @@
+"""The daemon's HTTP API. Handlers record intent durably and wake the controller; they never move
+a job between states themselves, so there is one writer of state transitions."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+import gpuswap
+from gpuswap.api.auth import Authorizer, Caller
+from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
+from gpuswap.jobs import JobState, Priority, format_size, parse_size
+from gpuswap.node.controller import Controller
+from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.launcher import Launcher
+from gpuswap.node.store import JobRecord, NewJob, Store
+
+MAX_WAIT_S = 30.0
+LOG_CHUNK = 1 << 20
+JobId = Annotated[int, Path(ge=1, le=2**62, description="job id")]
+
+
+def create_app(store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,
+               authorizer: Authorizer) -> FastAPI:
+    app = FastAPI(title="gpuswap", version=gpuswap.__version__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{first['msg']}"}, 422)
+
+    def record(job: JobRecord, events: Any = None, log_path: Any = None) -> dict[str, Any]:
+        return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated)
+
+    def caller(request: Request) -> Caller:
+        return authorizer.caller(request)
+
+    def own_job(job_id: int, who: Caller) -> JobRecord:
+        job = store.get(job_id)
+        if job is None or not who.may_act_on(job.uid):
+            # Another user's job is reported as absent: its existence is not theirs to know.
+            raise HTTPException(404, f"no job {job_id}")
+        return job
+
+    def wait_for(job_id: int, done: Any, timeout: float) -> JobRecord:
+        """Block until `done(job)` or timeout; the controller notifies after every tick."""
+        deadline = time.monotonic() + min(timeout, MAX_WAIT_S)
+        while True:
+            job = store.get(job_id)
+            assert job is not None
+            left = deadline - time.monotonic()
+            if done(job) or left <= 0:
+                return job
+            with controller.changed:
+                controller.changed.wait(min(left, 0.5))
+
+    @app.get("/v1/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": gpuswap.__version__, "pid": os.getpid(),
+                "simulated": gpus.simulated, "gpus": gpus.describe(), "policy": controller.config.policy}
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit(req: SubmitRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+        try:
+            prio = Priority.parse(req.priority)
+            mem = parse_size(str(req.mem)) if req.mem is not None else 0
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        devices = gpus.list()
+        if req.gpus > len(devices):
+            raise HTTPException(400, f"asks for {req.gpus} GPUs; this node has {len(devices)}")
+        if mem and devices and mem > max(d.mem_total for d in devices):
+            raise HTTPException(400, f"asks for {format_size(mem)} per GPU; the largest GPU here has "
+                                     f"{format_size(max(d.mem_total for d in devices))}")
+        if who.uid != os.geteuid() and os.geteuid() != 0:
+            raise HTTPException(403, "this daemon does not run as root, so it can only run jobs as "
+                                     "its own user; ask an admin to run `gpuswap server` as root")
+        name = req.name or os.path.basename(req.argv[0])
+        [job_id] = store.add_jobs([NewJob(name=name, user=who.user, uid=who.uid, gid=who.gid, argv=req.argv,
+                                          cwd=req.cwd, env=req.env, priority=int(prio), gpus=req.gpus,
+                                          mem_bytes=mem, preemptible=req.preemptible,
+                                          pause_mode=req.pause_mode)], time.time())
+        controller.wake()
+        return {"id": job_id, "name": name, "state": JobState.PENDING.value}
+
+    @app.get("/v1/jobs")
+    def list_jobs(all_users: bool = Query(False, alias="all"), who: Caller = Depends(caller)) -> list[dict]:
+        if all_users and not who.admin:
+            raise HTTPException(403, "only admins can list every user's jobs")
+        now = time.time()
+        return [job_record(j, now, gpus_simulated=gpus.simulated)
+                for j in store.list(user=None if all_users else who.user)]
+
+    @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))
+    def show(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        job = own_job(job_id, who)
+        return record(job, store.events(job_id), str(launcher.log_path(job_id)))
+
+    @app.get("/v1/jobs/{job_id}/wait", responses=errors(e404=NO_JOB))
+    def wait(job_id: JobId, timeout: float = Query(MAX_WAIT_S, ge=0, le=86400),
+             who: Caller = Depends(caller)) -> dict[str, Any]:
+        own_job(job_id, who)
+        job = wait_for(job_id, lambda j: j.state.terminal, timeout)
+        return record(job)
+
+    @app.get("/v1/jobs/{job_id}/log", response_class=Response, responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the log's bytes from `offset` "
+              "(at most 1 MiB); headers X-Next-Offset and X-Job-State"}, **errors(e404=NO_JOB)})
+    def logs(job_id: JobId, offset: int = Query(0, ge=0, le=2**62), who: Caller = Depends(caller)) -> Response:
+        job = own_job(job_id, who)
+        data = b""
+        try:
+            with open(launcher.log_path(job_id), "rb") as f:
+                if offset < os.fstat(f.fileno()).st_size:   # seeking far past the end is EINVAL (a 500)
+                    f.seek(offset)
+                    data = f.read(LOG_CHUNK)
+        except FileNotFoundError:
+            pass
+        return Response(data, media_type="application/octet-stream",
+                        headers={"X-Next-Offset": str(offset + len(data)),
+                                 "X-Job-State": job.state.value})
+
+    @app.post("/v1/jobs/{job_id}/cancel", responses=errors(e404=NO_JOB, e409="the job already ended"))
+    def cancel(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        job = own_job(job_id, who)
+        if job.state.terminal:
+            raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
+        if not job.cancel_requested:
+            store.update(job_id, time.time(), cancel_requested=True, hold=False,
+                         event=f"cancel requested by {who.user}")
+        controller.wake()
+        job = wait_for(job_id, lambda j: j.state.terminal, 2.0)
+        return record(job)
+
+    @app.post("/v1/jobs/{job_id}/pause", responses=errors(
+        e400="an unknown tier (use ram or disk)", e404=NO_JOB,
+        e409="refused, with the reason: the job is not started, cannot be parked (no safepoint reached, "
+             "or no tier it can be parked to), or the controller declined the pause"))
+    def pause(job_id: JobId, req: PauseRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+        job = own_job(job_id, who)
+        if req.to not in ("ram", "disk"):
+            raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
+        if job.state not in (JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING):
+            raise HTTPException(409, f"job {job_id} is {job.state.value}; only a started job can be paused")
+        if job.no_runtime:
+            raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
+                                     f"(no gpuswap runtime attached, or none within the pause timeout)")
+        if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
+            store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
+                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}")
+        elif not job.hold:
+            store.update(job_id, time.time(), hold=True, desired_tier=req.to,
+                         event=f"pause to {req.to} requested by {who.user}")
+        controller.wake()
+        # The controller either starts the pause (the job leaves RUNNING) or refuses it, which
+        # drops the hold with the reason: a refusal is a failed request, not a success.
+        job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold, 2.0)
+        if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
+            raise HTTPException(409, f"job {job_id}: {job.reason}")
+        return record(job)
+
+    @app.post("/v1/jobs/{job_id}/resume", responses=errors(e404=NO_JOB, e409="the job is pending or ended"))
+    def resume(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        job = own_job(job_id, who)
+        if job.state.terminal or job.state == JobState.PENDING:
+            raise HTTPException(409, f"job {job_id} is {job.state.value}; only a paused job can be resumed")
+        if job.hold:
+            store.update(job_id, time.time(), hold=False,
+                         event=f"resume requested by {who.user}; it runs when its GPUs are free")
+        controller.wake()
+        return record(store.get(job_id) or job)
+
+    @app.get("/v1/gpus")
+    def list_gpus(who: Caller = Depends(caller)) -> dict[str, Any]:
+        devices = gpus.list()
+        holders: dict[int, list[JobRecord]] = {}
+        for j in store.list(live_only=True):
+            for g in j.assigned:
+                holders.setdefault(g, []).append(j)
+        now = time.time()
+        out = []
+        for g in devices:
+            jobs = holders.get(g.index, [])
+            used = g.mem_used if g.mem_used is not None else sum(
+                (j.device_bytes or j.mem_bytes) for j in jobs if j.holds_gpu)
+            out.append(gpu_record(g, used, [
+                {"id": j.id, "state": j.state.value, "user": j.user if who.may_act_on(j.uid) else "(other)",
+                 "name": j.name if who.may_act_on(j.uid) else "", "time_in_state_s": now - j.state_since}
+                for j in jobs]))
+        parked_ram = sum(j.parked_bytes for j in store.list(live_only=True) if j.parked == "ram")
+        cap = controller.driver.capability
+        return {"simulated": gpus.simulated, "description": gpus.describe(), "gpus": out,
+                "ram_budget": controller.config.ram_budget, "ram_parked": parked_ram,
+                "policy": controller.config.policy,
+                "transparent": {"available": cap.available, "description": cap.reason, "driver": cap.driver,
+                                "bindings": cap.bindings, "migration": cap.migration,
+                                "persistence_mode": cap.persistence, "simulated": cap.simulated,
+                                "criu": cap.criu},
+                "bandwidths": controller.bandwidths.describe()}
+
+    from gpuswap.api.web import mount   # overview, tokens, /metrics, dashboard (issue 6)
+
+    mount(app, store, controller, gpus, launcher, authorizer)
+    return app

@@ -1,0 +1,83 @@
+"""The CLI's side of the API: HTTP over the daemon's Unix socket, errors as one-line exceptions."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+
+from gpuswap.runtime.channel import ENV_HOME
+
+SYSTEM_HOME = Path("/var/lib/gpuswap")
+EX_USAGE, EX_UNAVAILABLE, EX_FAILURE = 64, 69, 1
+
+
+class ClientError(Exception):
+    """A failure to report in one line, with the exit code the CLI should use."""
+
+    def __init__(self, message: str, exit_code: int = EX_FAILURE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def default_home() -> Path:
+    """$GPUSWAP_HOME; else the machine-wide daemon's home if one serves there; else ~/.gpuswap."""
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    if os.geteuid() == 0 or (SYSTEM_HOME / "gpuswap.sock").exists():
+        return SYSTEM_HOME
+    return Path.home() / ".gpuswap"
+
+
+ENV_URL, ENV_TOKEN = "GPUSWAP_URL", "GPUSWAP_TOKEN"
+
+
+class Client:
+    """The Unix socket of `home`; or, with no home given and $GPUSWAP_URL set, TCP with $GPUSWAP_TOKEN."""
+
+    def __init__(self, home: Optional[Path] = None, timeout: float = 60.0):
+        self.home = home or default_home()
+        self.sock: Any = self.home / "gpuswap.sock"
+        url = os.environ.get(ENV_URL, "").strip() if home is None else ""
+        if url:
+            if not url.startswith(("http://", "https://")):
+                raise ClientError(f"{ENV_URL}={url!r} is not an http:// URL", EX_USAGE)
+            token = os.environ.get(ENV_TOKEN, "").strip()
+            if not token:
+                raise ClientError(f"{ENV_URL} is set but {ENV_TOKEN} is not; create a token with "
+                                  "`gpuswap token create` on the server", EX_USAGE)
+            self.sock = url.rstrip("/")
+            self._http = httpx.Client(base_url=self.sock, timeout=timeout,
+                                      headers={"Authorization": f"Bearer {token}"})
+            return
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.sock)),
+                                  base_url="http://gpuswap", timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
+            raise ClientError(f"no gpuswap daemon is listening on {self.sock} "
+                              "(start one with `gpuswap server`, or set GPUSWAP_HOME)", EX_UNAVAILABLE) from None
+        except httpx.TimeoutException:
+            raise ClientError(f"the gpuswap daemon on {self.sock} did not answer in time", EX_UNAVAILABLE) from None
+        except httpx.TransportError as e:
+            raise ClientError(f"lost the connection to the gpuswap daemon: {e}", EX_UNAVAILABLE) from None
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            code = EX_USAGE if r.status_code in (400, 422) else EX_FAILURE
+            raise ClientError(str(detail), code)
+        return r
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw).json()
+
+    def post(self, path: str, body: Optional[dict[str, Any]] = None) -> Any:
+        return self.request("POST", path, json=body or {}).json()

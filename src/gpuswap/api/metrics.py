@@ -1,0 +1,233 @@
+"""`GET /metrics`: Prometheus exposition, computed at scrape time from the daemon's durable state.
+
+Gauges read the jobs table and the GPU inventory as they are now. Counters and histograms are a
+fold over the append-only `events` table (state transitions with their times), so they survive a
+daemon restart without being reset: a fresh daemon refolds the log from the start. The fold is
+incremental (only new events are read per scrape) and keeps a little state per live job.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+import gpuswap
+from gpuswap.api.overview import gpu_used
+from gpuswap.jobs import JobState, Priority
+from gpuswap.node.controller import Controller
+from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.store import Store
+
+SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+WAIT_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+_TERMINAL = {s.value for s in JobState if s.terminal}
+
+
+@dataclass
+class _Hist:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.total += v
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for le, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            acc += c
+            out.append((le, acc))
+        return out
+
+
+@dataclass
+class _JobTrack:
+    state: str
+    since: float
+    submitted: float
+    started: bool = False
+    pause_by: str = "policy"
+    tier: Optional[str] = None
+    spill_asked: Optional[float] = None   # when a RAM->disk spill of this parked job was requested
+    spill_by: str = "policy"
+
+
+def _park_kind(reason: str) -> tuple[str, str]:
+    """(mechanism, tier) of a transition into PAUSED, from the event the observer wrote."""
+    if reason.startswith("parked in RAM"):
+        return "cooperative", "ram"
+    if reason.startswith("parked to disk"):
+        return "cooperative", "disk"
+    if reason.startswith("frozen transparently"):
+        return "transparent", "ram"
+    if "SIGSTOP" in reason:
+        return "sigstop", "gpu"
+    return "other", "none"
+
+
+def _spill_request(reason: str) -> Optional[str]:
+    """The initiator of a RAM->disk spill request event (app.py: user; controller: policy), else None."""
+    if reason.startswith("spill to disk requested"):
+        return "user"
+    if reason.startswith("spilling from RAM to disk"):
+        return "policy"
+    return None
+
+
+class EventFold:
+    """Counters and histograms derived from the events table; `advance` reads what is new."""
+
+    def __init__(self) -> None:
+        self.last_id = 0
+        self.jobs: dict[int, _JobTrack] = {}
+        self.preemptions: dict[tuple[str, str, str], int] = {}
+        self.spills: dict[str, int] = {}
+        self.park = {t: _Hist(SWITCH_BUCKETS) for t in ("ram", "disk")}
+        self.resume = {t: _Hist(SWITCH_BUCKETS) for t in ("ram", "disk")}
+        self.wait = _Hist(WAIT_BUCKETS)
+        self.finished: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def advance(self, store: Store) -> None:
+        with self._lock:
+            while True:
+                rows = store.events_after(self.last_id)
+                for row in rows:
+                    self._apply(*row)
+                if len(rows) < 10000:
+                    return
+
+    def _apply(self, event_id: int, job_id: int, t: float, state: str, reason: str) -> None:
+        self.last_id = event_id
+        tr = self.jobs.get(job_id)
+        if tr is None:
+            self.jobs[job_id] = _JobTrack(state, t, t)
+            return
+        if state == tr.state:
+            if state == "PAUSED":
+                self._parked_event(tr, t, reason)
+            return
+        prev, since = tr.state, tr.since
+        if state == "PAUSING":
+            tr.pause_by = "user" if "requested by user" in reason else "policy"
+        elif state == "PAUSED" and prev == "PAUSING":
+            mechanism, tier = _park_kind(reason)
+            key = (mechanism, tier, tr.pause_by)
+            self.preemptions[key] = self.preemptions.get(key, 0) + 1
+            if tier in self.park:
+                self.park[tier].observe(t - since)
+            tr.tier = tier
+        elif state == "RUNNING" and prev == "RESUMING" and tr.tier in self.resume:
+            self.resume[tr.tier].observe(t - since)
+        elif state == "RUNNING" and prev == "PENDING" and not tr.started:
+            self.wait.observe(t - tr.submitted)
+        if state == "RUNNING":
+            tr.started = True
+        tr.state, tr.since = state, t
+        if state in _TERMINAL:
+            self.finished[state] = self.finished.get(state, 0) + 1
+            del self.jobs[job_id]
+
+    def _parked_event(self, tr: _JobTrack, t: float, reason: str) -> None:
+        """An event that leaves a parked job PAUSED: a spill from RAM to disk is a tier change.
+
+        It is not a new preemption (the job was already off its GPU), so it is counted in
+        `spills` rather than `preemptions`; its request-to-parked time goes to the disk park
+        histogram, like a direct park to disk, and the job's tier becomes disk so that its
+        restart is counted as a disk resume."""
+        by = _spill_request(reason)
+        if by is not None:
+            tr.spill_asked, tr.spill_by = t, by
+        elif reason.startswith("parked to disk") and tr.tier != "disk":
+            self.spills[tr.spill_by] = self.spills.get(tr.spill_by, 0) + 1
+            self.park["disk"].observe(t - (tr.spill_asked if tr.spill_asked is not None else tr.since))
+            tr.tier, tr.spill_asked = "disk", None
+
+
+class GpuswapCollector(Collector):
+    def __init__(self, store: Store, controller: Controller, gpus: GpuInventory):
+        self.store, self.controller, self.gpus = store, controller, gpus
+        self.fold = EventFold()
+
+    def collect(self) -> Iterator[object]:
+        self.fold.advance(self.store)
+        live = self.store.list(live_only=True)
+        info = GaugeMetricFamily("gpuswap_build_info", "gpuswap version and GPU kind", labels=["version", "simulated"])
+        info.add_metric([gpuswap.__version__, str(self.gpus.simulated).lower()], 1)
+        yield info
+        yield from self._gpus(live)
+        yield from self._jobs(live)
+        yield from self._fold()
+
+    def _gpus(self, live: list) -> Iterator[object]:
+        total = GaugeMetricFamily("gpuswap_gpu_memory_total_bytes", "GPU memory", labels=["gpu", "simulated"])
+        used = GaugeMetricFamily("gpuswap_gpu_memory_used_bytes",
+                                 "GPU memory in use (simulated GPUs: as the jobs report it)", labels=["gpu", "simulated"])
+        job = GaugeMetricFamily("gpuswap_gpu_assigned_job", "1 for each job holding the GPU",
+                                labels=["gpu", "job_id", "state"])
+        for g in self.gpus.list():
+            holders = [j for j in live if g.index in j.assigned]
+            lab = [str(g.index), str(g.simulated).lower()]
+            total.add_metric(lab, g.mem_total)
+            used.add_metric(lab, gpu_used(g.mem_used, holders))
+            for j in holders:
+                job.add_metric([str(g.index), str(j.id), j.state.value], 1)
+        yield from (total, used, job)
+
+    def _jobs(self, live: list) -> Iterator[object]:
+        by = GaugeMetricFamily("gpuswap_jobs", "live jobs by state and priority", labels=["state", "priority"])
+        counts = {(s.value, p.label): 0 for s in JobState if not s.terminal for p in Priority}
+        parked = {"ram": 0, "disk": 0}
+        for j in live:
+            counts[(j.state.value, Priority(j.priority).label)] += 1
+            if j.parked in parked:
+                parked[j.parked] += j.parked_bytes
+        for (s, p), n in counts.items():
+            by.add_metric([s, p], n)
+        yield by
+        tier = GaugeMetricFamily("gpuswap_parked_bytes", "bytes of GPU state parked, per tier", labels=["tier"])
+        for t, n in parked.items():
+            tier.add_metric([t], n)
+        yield tier
+        yield GaugeMetricFamily("gpuswap_ram_budget_bytes", "host RAM parked jobs may hold",
+                                value=self.controller.config.ram_budget)
+        usage = GaugeMetricFamily("gpuswap_fair_share_usage_gpu_seconds",
+                                  "decayed GPU-seconds per user (fair share)", labels=["user"])
+        for u, v in sorted(dict(self.controller.usage).items()):
+            usage.add_metric([u], v)
+        yield usage
+
+    def _fold(self) -> Iterator[object]:
+        f = self.fold
+        with f._lock:
+            pre = CounterMetricFamily("gpuswap_preemptions", "jobs parked, by mechanism, tier and initiator",
+                                      labels=["mechanism", "tier", "initiator"])
+            for (m, t, by), n in sorted(f.preemptions.items()):
+                pre.add_metric([m, t, by], n)
+            yield pre
+            spills = CounterMetricFamily("gpuswap_spills", "parked jobs moved from RAM to disk, by initiator",
+                                         labels=["initiator"])
+            for by in ("policy", "user"):
+                spills.add_metric([by], f.spills.get(by, 0))
+            yield spills
+            done = CounterMetricFamily("gpuswap_jobs_finished", "jobs that ended, by final state", labels=["state"])
+            for s in sorted(_TERMINAL):
+                done.add_metric([s], f.finished.get(s, 0))
+            yield done
+            for name, hists, doc in (("gpuswap_park_duration_seconds", f.park, "pause request to parked"),
+                                     ("gpuswap_resume_duration_seconds", f.resume, "resume start to running")):
+                h = HistogramMetricFamily(name, doc, labels=["tier"])
+                for t, hist in hists.items():
+                    h.add_metric([t], hist.cumulative(), hist.total)
+                yield h
+            q = HistogramMetricFamily("gpuswap_queue_wait_seconds", "submission to first start")
+            q.add_metric([], f.wait.cumulative(), f.wait.total)
+            yield q

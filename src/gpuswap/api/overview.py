@@ -1,0 +1,84 @@
+"""`GET /v1/overview`: the whole picture in one record, for the dashboard and `gpuswap top`.
+
+GPUs with memory and holders, every live job (others' jobs show owner, state, priority and where
+they are parked, but not their name or command, and are never actionable), the caller's recent
+finished jobs, the host-RAM budget, bytes parked per tier and fair-share standing per user.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuswap.api.auth import Caller
+from gpuswap.api.reasons import REASONS, pending_reason
+from gpuswap.jobs import JobState, Priority
+from gpuswap.node.controller import Controller
+from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.store import JobRecord, Store
+
+RECENT_FINISHED = 20
+
+
+def job_summary(j: JobRecord, who: Caller, now: float, reason_code: str | None) -> dict[str, Any]:
+    mine = who.may_act_on(j.uid)
+    return {
+        "id": j.id, "name": j.name if mine else "", "user": j.user, "mine": mine,
+        "state": j.state.value, "priority": Priority(j.priority).label, "preemptible": j.preemptible,
+        "gpus": j.gpus, "assigned_gpus": j.assigned or j.home_gpus, "tier": j.parked,
+        "mechanism": j.mechanism if j.parked else None,
+        "parked_bytes": j.parked_bytes, "device_bytes": j.device_bytes or j.mem_bytes,
+        "held": j.hold, "stopped": j.stopped, "step": j.step if mine else None,
+        "preemptions": j.preemptions, "time_in_state_s": max(0.0, now - j.state_since),
+        "submit_time": j.submit_time, "exit_code": j.exit_code,
+        "reason": j.reason if mine else "",
+        "pending_reason": reason_code, "pending_reason_text": REASONS.get(reason_code or "", ""),
+    }
+
+
+def gpu_used(mem_used: int | None, holders: list[JobRecord]) -> int:
+    """Real GPUs: what NVML says. Simulated: what their jobs report, parked jobs excluded."""
+    if mem_used is not None:
+        return mem_used
+    return sum((j.device_bytes or j.mem_bytes) for j in holders if j.holds_gpu)
+
+
+def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who: Caller,
+                   now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    devices = gpus.list()
+    live = store.list(live_only=True)
+    holders: dict[int, list[JobRecord]] = {}
+    for j in live:
+        for g in j.assigned:
+            holders.setdefault(g, []).append(j)
+    gpu_rows = [{
+        "index": g.index, "name": g.name, "simulated": g.simulated, "mem_total": g.mem_total,
+        "mem_used": gpu_used(g.mem_used, holders.get(g.index, [])),
+        "jobs": [j.id for j in holders.get(g.index, [])],
+    } for g in devices]
+    jobs = [job_summary(j, who, now, pending_reason(j, live, len(devices))) for j in live]
+    finished = [j for j in store.list(user=None if who.admin else who.user) if j.state.terminal]
+    jobs += [job_summary(j, who, now, None) for j in finished[-RECENT_FINISHED:]]
+    tiers = {"ram": 0, "disk": 0}
+    for j in live:
+        if j.parked in tiers:
+            tiers[j.parked] += j.parked_bytes
+    usage = dict(controller.usage)
+    total = sum(usage.values())
+    running: dict[str, int] = {}
+    for j in live:
+        if j.state in (JobState.RUNNING, JobState.RESUMING, JobState.PAUSING):
+            running[j.user] = running.get(j.user, 0) + j.gpus
+    fair = [{"user": u, "usage_gpu_s": usage.get(u, 0.0), "share": usage.get(u, 0.0) / total if total else 0.0,
+             "gpus_now": running.get(u, 0)} for u in sorted(set(usage) | set(running))]
+    fair.sort(key=lambda r: -r["usage_gpu_s"])
+    return {
+        "time": now, "simulated": gpus.simulated, "description": gpus.describe(),
+        "policy": controller.config.policy,
+        "caller": {"user": who.user, "uid": who.uid, "admin": who.admin},
+        "gpus": gpu_rows, "jobs": jobs,
+        "ram": {"budget": controller.config.ram_budget, "parked": tiers["ram"]},
+        "parked_bytes": tiers, "fair_share": fair,
+        "fair_share_half_life_s": controller.config.policy_config.fair_share_half_life_s,
+        "reasons": REASONS,
+    }

@@ -1,0 +1,1 @@
+"""The gpuswap command line."""

@@ -1,0 +1,276 @@
+"""`gpuswap` command line. Exit codes: 0 ok, 1 failure, 64 usage error, 69 daemon unavailable,
+124 `wait` timed out; `wait` otherwise exits with the job's own exit code."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from gpuswap.api.client import EX_FAILURE, EX_USAGE, Client, ClientError, default_home
+from gpuswap.jobs import parse_size
+
+EX_TIMEOUT = 124
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number (seconds, or a fraction): nan, inf and negatives are usage
+    errors, not values that silently mean 'forever' or 'never'."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="gpuswap", description="Share GPUs: pause jobs at a safe point, park their memory, resume exactly.")
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    json_flag: dict[str, Any] = dict(action="store_true", help="print the record(s) as JSON")
+
+    s = sub.add_parser("server", help="run the daemon for this machine (or this GPUSWAP_HOME)")
+    s.add_argument("--simulate-gpus", metavar="SPEC", help='simulated GPUs for machines without one, e.g. "2x80GiB"')
+    s.add_argument("--policy", default="gpuswap",
+                   help="scheduling policy (default: gpuswap; the live ones are in docs/policies.md)")
+    s.add_argument("--min-runtime", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="minimum runtime after a start/resume before a job may be preempted (default 60)")
+    s.add_argument("--max-switch-fraction", type=_seconds, default=0.2, metavar="F",
+                   help="anti-thrashing: never preempt a job if pausing and resuming it would make switching "
+                        "more than this fraction of its life (default 0.2)")
+    s.add_argument("--pause-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="how long to wait for a safepoint before falling back (default 60)")
+    s.add_argument("--no-runtime", choices=("wait", "sigstop"), default="wait",
+                   help="for a job that never reaches a safepoint: keep it running (wait) or SIGSTOP it, "
+                        "which keeps its GPU memory allocated (default wait)")
+    s.add_argument("--ram-budget", type=_size, metavar="SIZE", help="host RAM parked jobs may hold (default: half of RAM)")
+    s.add_argument("--admin-group", default="gpuswap-admin", help="members may act on all jobs (default gpuswap-admin)")
+    s.add_argument("--dcgm-job-mapping-dir", type=Path, metavar="DIR",
+                   help="keep dcgm-exporter job-mapping files here (its --hpc-job-mapping-dir)")
+    s.add_argument("--listen", metavar="HOST:PORT",
+                   help="also serve the API and web dashboard on TCP, with bearer tokens (`gpuswap token create`)")
+    s.set_defaults(func=cmd_server)
+
+    s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...")
+    s.add_argument("--name")
+    s.add_argument("--priority", default="normal", choices=("urgent", "high", "normal", "low"))
+    s.add_argument("--gpus", type=int, default=1)
+    s.add_argument("--mem", type=_size, metavar="SIZE", help="GPU memory per GPU the job will use, e.g. 20GiB")
+    s.add_argument("--no-preempt", action="store_true", help="never pause this job for another")
+    s.add_argument("--pause-mode", choices=("auto", "cooperative", "transparent"), default="auto",
+                   help="how to park it: its gpuswap runtime (cooperative), the CUDA driver's checkpoint "
+                        "API (transparent), or auto: cooperative if it attached a runtime, else transparent "
+                        "where the driver supports it (default auto)")
+    s.add_argument("--json", **json_flag)
+    s.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    s.set_defaults(func=cmd_submit)
+
+    s = sub.add_parser("ls", help="list your jobs")
+    s.add_argument("--all-users", "-a", action="store_true", help="every user's jobs (admins)")
+    s.add_argument("--json", **json_flag)
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("show", help="one job in detail, with its events")
+    s.add_argument("id", type=int)
+    s.add_argument("--json", **json_flag)
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser("logs", help="a job's output")
+    s.add_argument("id", type=int)
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    s.set_defaults(func=cmd_logs)
+
+    s = sub.add_parser("wait", help="wait for a job to end; exit with its exit code")
+    s.add_argument("id", type=int)
+    s.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 124)")
+    s.add_argument("--json", **json_flag)
+    s.set_defaults(func=cmd_wait)
+
+    for verb, helptext in (("cancel", "stop a job"), ("resume", "let a paused job run again")):
+        s = sub.add_parser(verb, help=helptext)
+        s.add_argument("id", type=int)
+        s.add_argument("--json", **json_flag)
+        s.set_defaults(func=cmd_action, action=verb)
+
+    s = sub.add_parser("pause", help="park one of your running jobs until `gpuswap resume`")
+    s.add_argument("id", type=int)
+    s.add_argument("--to", choices=("ram", "disk"), default="ram")
+    s.add_argument("--json", **json_flag)
+    s.set_defaults(func=cmd_action, action="pause")
+
+    s = sub.add_parser("gpus", help="the node's GPUs and who holds them")
+    s.add_argument("--json", **json_flag)
+    s.set_defaults(func=cmd_gpus)
+
+    s = sub.add_parser("demo", help="an urgent job takes a busy GPU; the long job resumes exactly")
+    s.add_argument("--keep", action="store_true", help="keep the demo's temporary GPUSWAP_HOME")
+    s.add_argument("--steps", type=int, default=400, help="training steps of the long job")
+    s.set_defaults(func=cmd_demo)
+
+    from gpuswap.cli import remote, top   # issue 6: tokens, dashboard URL, live terminal view
+    remote.register(sub, lambda: _client(), _out)
+    top.register(sub, lambda: _client())
+    from gpuswap.cli import slurm_wrap  # issue 5: Slurm signal forwarding for any command
+    slurm_wrap.register(sub)
+
+    try:  # TEMP until sim cli lands
+        from gpuswap.sim import cli as sim_cli
+        sim_cli.register(sub)
+    except ImportError:
+        pass
+    return p
+
+
+# -- verbs ---------------------------------------------------------------------------------------
+def cmd_server(a: argparse.Namespace) -> int:
+    from gpuswap.node.daemon import DaemonError, OptionError, ServerOptions, serve
+
+    home = default_home()
+    try:
+        serve(ServerOptions(home=home, simulate_gpus=a.simulate_gpus, policy=a.policy,
+                            min_runtime_s=a.min_runtime, max_switch_fraction=a.max_switch_fraction,
+                            pause_timeout_s=a.pause_timeout,
+                            no_runtime=a.no_runtime, ram_budget=a.ram_budget, admin_group=a.admin_group,
+                            listen=a.listen, dcgm_job_mapping_dir=a.dcgm_job_mapping_dir))
+    except OptionError as e:
+        print(f"gpuswap server: {e}", file=sys.stderr)
+        return EX_USAGE
+    except DaemonError as e:
+        print(f"gpuswap server: {e}", file=sys.stderr)
+        return EX_FAILURE
+    return 0
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        raise UsageError("gpuswap submit: no command given; write: gpuswap submit [options] -- CMD ARGS")
+    if a.gpus < 1:
+        raise UsageError("gpuswap submit: --gpus must be at least 1")
+    body = {"argv": command, "cwd": os.getcwd(), "env": dict(os.environ), "name": a.name,
+            "priority": a.priority, "gpus": a.gpus, "mem": a.mem, "preemptible": not a.no_preempt,
+            "pause_mode": a.pause_mode}
+    rec = _client().post("/v1/jobs", body)
+    _out(a, rec, lambda r: print(f"submitted job {r['id']} ({r['name']})"))
+    return 0
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    from gpuswap.cli import render
+
+    jobs = _client().get("/v1/jobs", params={"all": "true"} if a.all_users else None)
+    _out(a, jobs, render.jobs_table)
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    from gpuswap.cli import render
+
+    _out(a, _client().get(f"/v1/jobs/{a.id}"), render.job_detail)
+    return 0
+
+
+def cmd_logs(a: argparse.Namespace) -> int:
+    client, offset = _client(), 0
+    out = sys.stdout.buffer
+    while True:
+        r = client.request("GET", f"/v1/jobs/{a.id}/log", params={"offset": offset})
+        out.write(r.content)
+        out.flush()
+        offset = int(r.headers["X-Next-Offset"])
+        if not a.follow or (not r.content and r.headers["X-Job-State"] in ("COMPLETED", "FAILED", "CANCELLED")):
+            return 0
+        if not r.content:
+            time.sleep(0.5)
+
+
+def cmd_wait(a: argparse.Namespace) -> int:
+    client = _client()
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    while True:
+        left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        job = client.get(f"/v1/jobs/{a.id}/wait", params={"timeout": min(30.0, left)})
+        if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
+            _out(a, job, lambda j: None)
+            if job["exit_code"] is not None:
+                return int(job["exit_code"])
+            return 0 if job["state"] == "COMPLETED" else EX_FAILURE
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"gpuswap wait: job {a.id} is still {job['state']} after {a.timeout:g} s", file=sys.stderr)
+            return EX_TIMEOUT
+
+
+def cmd_action(a: argparse.Namespace) -> int:
+    from gpuswap.cli import render
+
+    body = {"to": a.to} if a.action == "pause" else None
+    job = _client().post(f"/v1/jobs/{a.id}/{a.action}", body)
+    _out(a, job, lambda j: print(f"job {j['id']}: {render.state_text(j)} — {j['reason']}"))
+    return 0
+
+
+def cmd_gpus(a: argparse.Namespace) -> int:
+    from gpuswap.cli import render
+
+    _out(a, _client().get("/v1/gpus"), render.gpus_table)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from gpuswap.demo.story import run_demo
+
+    return run_demo(keep=a.keep, steps=a.steps)
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+def _client() -> Client:
+    return Client()
+
+
+def _out(a: argparse.Namespace, record: Any, human: Callable[[Any], None]) -> None:
+    from gpuswap.cli.render import print_json
+
+    if getattr(a, "json", False):
+        print_json(record)
+    else:
+        human(record)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return EX_USAGE
+    except ClientError as e:
+        print(f"gpuswap: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""How records look on a terminal (rich tables). `--json` bypasses all of this.
+
+Everything shown here that a user or the machine chose (job names, commands, users, reasons,
+paths, GPU names) goes to rich as a `Text`, never as a markup string: a job named "[/x]" would
+otherwise crash the table with a MarkupError, and one named "[bold]" would silently restyle it.
+Only literals written in this module carry markup.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpuswap.jobs import format_size
+
+console = Console(highlight=False)
+if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
+    console = Console(highlight=False, width=200)
+
+
+SIMULATED_NOTE = "SIMULATED GPUs — no real GPU is in use"
+
+
+def plain(value: Any, style: str = "") -> Text:
+    """A value shown verbatim: rich markup in it is text, not style."""
+    return Text("" if value is None else str(value), style=style)
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def state_text(j: dict[str, Any]) -> str:
+    if j["state"] == "PAUSED":
+        if j.get("stopped") and not j.get("parked"):
+            return "PAUSED (SIGSTOP, GPU memory still held)"
+        where = {"ram": "RAM", "disk": "disk"}.get(j.get("parked") or "", "?")
+        how = ", frozen by the driver" if j.get("mechanism") == "transparent" else ""
+        return f"PAUSED (parked in {where}, {format_size(j.get('parked_bytes') or 0)}{how})"
+    if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
+        return f"{j['state']} ({j['exit_code']})"
+    return j["state"]
+
+
+def gpu_list(j: dict[str, Any]) -> str:
+    """'1 [0]', or '1 [sim 0]' on simulated GPUs: GPU indices never pass for real ones."""
+    gpus = ",".join(str(g) for g in j.get("assigned_gpus") or [])
+    if not gpus:
+        return str(j["gpus"])
+    return f"{j['gpus']} [{'sim ' if j.get('gpus_simulated') else ''}{gpus}]"
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> None:
+    if not jobs:
+        console.print("no jobs")
+        return
+    if any(j.get("gpus_simulated") for j in jobs):
+        console.print(plain(SIMULATED_NOTE, "bold"))
+    t = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "USER", "STATE", "PRIO", "GPUS", "STEP", "IN STATE", "REASON"):
+        t.add_column(col, no_wrap=col not in ("REASON",))
+    for j in jobs:
+        t.add_row(plain(j["id"]), plain(j["name"]), plain(j["user"]), plain(state_text(j)), plain(j["priority"]),
+                  plain(gpu_list(j)), plain("-" if j.get("step") is None else j["step"]),
+                  plain(duration(j.get("time_in_state_s"))), plain(j.get("reason") or ""))
+    console.print(t)
+
+
+def job_detail(j: dict[str, Any]) -> None:
+    assigned = ",".join(str(g) for g in j.get("assigned_gpus") or []) or "-"
+    sim = " (SIMULATED GPUs — no real GPU is in use)" if j.get("gpus_simulated") else ""
+    rows = [
+        ("job", f"{j['id']} ({j['name']})"), ("user", j["user"]), ("state", state_text(j)),
+        ("reason", j.get("reason") or "-"), ("priority", j["priority"] + ("" if j["preemptible"] else ", no-preempt")),
+        ("gpus", f"{j['gpus']} requested; assigned {assigned}{sim}"),
+        ("memory", f"declared {format_size(j['mem_bytes'])}; reported {format_size(j['device_bytes'])}"),
+        ("parked", f"{j['parked']} ({format_size(j['parked_bytes'])})" if j.get("parked") else "-"),
+        ("exit code", "-" if j.get("exit_code") is None else str(j["exit_code"])),
+        ("service", f"{duration(j['run_s'])} running, {duration(j['switch_s'])} switching, "
+                    f"{j['preemptions']} preemption(s)"),
+        ("command", " ".join(j["argv"])), ("cwd", j["cwd"]), ("log", j.get("log", "-")),
+    ]
+    t = Table(box=None, show_header=False, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, plain(v))
+    console.print(t)
+    ev = Table(box=None, pad_edge=False, title="events" + (" (GPUs are simulated)" if sim else ""),
+               title_justify="left")
+    for col in ("TIME", "STATE", "REASON"):
+        ev.add_column(col)
+    for e in j.get("events", []):
+        ev.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])), plain(e["state"]),
+                   plain(e["reason"]))
+    console.print(ev)
+
+
+def gpus_table(info: dict[str, Any]) -> None:
+    banner = SIMULATED_NOTE if info["simulated"] else info["description"]
+    console.print(Text.assemble((banner, "bold"), f"   policy: {info['policy']}"))
+    t = Table(box=None, pad_edge=False)
+    for col in ("GPU", "NAME", "MEMORY USED / TOTAL", "JOBS"):
+        t.add_column(col)
+    for g in info["gpus"]:
+        name = g["name"] + (" (simulated)" if g["simulated"] and "simulated" not in g["name"] else "")
+        jobs = ", ".join(f"{j['id']} {j['name']} {j['state']}".strip() for j in g["jobs"]) or "free"
+        t.add_row(plain(g["index"]), plain(name), plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"),
+                  plain(jobs))
+    console.print(t)
+    console.print(plain(f"host RAM parked: {format_size(info['ram_parked'])} of a {format_size(info['ram_budget'])} budget"))
+    tr = info.get("transparent") or {}
+    state = "available" if tr.get("available") else "unavailable"
+    console.print(plain(f"transparent parking: {state} — {tr.get('description', '?')}; disk tier via CRIU: {tr.get('criu')}"))
+    bw = info.get("bandwidths") or {}
+    if bw:
+        console.print(plain("switch bandwidths: " + ", ".join(
+            f"{name.removesuffix('_bps').replace('_', ' ')} {v['bytes_per_s'] / 1e9:.1f} GB/s ({v['source']})"
+            for name, v in bw.items())))

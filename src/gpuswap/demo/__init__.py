@@ -1,0 +1,1 @@
+"""Bundled demo scripts: a deterministic training job and a short urgent eval."""

@@ -1,0 +1,92 @@
+"""Vocabulary shared by every part: job states, priority classes, parking tiers, sizes.
+
+Kept free of I/O so the policy, the daemon, the runtime and the simulator can all import it.
+"""
+from __future__ import annotations
+
+import enum
+import re
+
+
+class JobState(str, enum.Enum):
+    """Slurm-like job states. The string value is what the API and the database hold."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    PAUSING = "PAUSING"
+    PAUSED = "PAUSED"
+    RESUMING = "RESUMING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+class Priority(int, enum.Enum):
+    """Priority classes; a higher value wins."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+    URGENT = 3
+
+    @classmethod
+    def parse(cls, text: str) -> "Priority":
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(
+                f"unknown priority {text!r}; use one of: urgent, high, normal, low"
+            ) from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Tier(str, enum.Enum):
+    """Where a paused job's GPU state lives."""
+
+    RAM = "ram"
+    DISK = "disk"
+
+
+# Exit code a job's runtime uses after writing a disk checkpoint: "requeue me".
+# 75 is EX_TEMPFAIL from sysexits.h ("temporary failure, try again later").
+REQUEUE_EXIT_CODE = 75
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+    "p": 1000**5, "pb": 1000**5, "pib": 1024**5, "pi": 1024**5,
+}
+
+
+def parse_size(text: str) -> int:
+    """'20GiB' -> 21474836480. Decimal (GB) and binary (GiB) units; plain numbers are bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 20GiB, 512MiB or 80GB")
+    number, unit = m.group(1), (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit in {text!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB)")
+    return int(float(number) * _UNITS[unit])
+
+
+def format_size(n: int | float | None) -> str:
+    """Bytes for people, binary units: 21474836480 -> '20.0 GiB'."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,1 @@
+"""The node side: daemon, controller, supervisors, GPU inventory, durable state."""

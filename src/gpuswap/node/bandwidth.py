@@ -1,0 +1,207 @@
+"""Switch-cost bandwidths measured on this machine, not assumed, handed to the policy as its
+SwitchCosts. Every figure carries its source, which `gpuswap gpus` shows:
+
+  default      SwitchCosts' constant: nothing better is known yet
+  calibrated   timed at daemon start, off the start path: a 128 MiB write+fsync and read in the
+               home (disk tier); on real GPUs pinned host<->device copies of 256 MiB through the
+               CUDA driver (RAM tier; needs cuda-bindings), on simulated ones a host memcpy
+  measured     refined from real parks, resumes and checkpoints (exponentially weighted)
+  learned      refined from real moves before the daemon's last restart: the figures are kept in
+               SQLite and reloaded at start, so a restart does not forget what the machine did
+
+A figure from real moves is never replaced by a calibration: it describes the jobs' own moves.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from gpuswap.policy.model import SwitchCosts
+
+log = logging.getLogger("gpuswap.bandwidth")
+
+CALIBRATION_BYTES = 128 * 2**20
+PINNED_CALIBRATION_BYTES = 256 * 2**20
+SMOOTHING = 0.3            # weight of a new observation
+MIN_OBSERVED_BYTES = 16 * 2**20   # smaller moves are dominated by fixed costs, not bandwidth
+
+
+@dataclass
+class Measured:
+    value: float           # bytes/s
+    source: str            # "default" | "calibrated: ..." | "measured: N real move(s)" | "learned: ..."
+    samples: int = 0       # real moves folded in (persisted ones included)
+
+
+class BandwidthBook(Protocol):
+    """Where learned figures are kept across restarts (the daemon's Store)."""
+
+    def load_bandwidths(self) -> dict[str, tuple[float, int]]: ...
+
+    def save_bandwidth(self, field: str, bytes_per_s: float, samples: int, now: float) -> None: ...
+
+
+class Bandwidths:
+    FIELDS = ("ram_park_bps", "ram_resume_bps", "disk_write_bps", "disk_read_bps")
+
+    def __init__(self, book: Optional[BandwidthBook] = None) -> None:
+        base = SwitchCosts()
+        self._lock = threading.Lock()
+        self._book = book
+        self.m: dict[str, Measured] = {f: Measured(getattr(base, f), "default") for f in self.FIELDS}
+        for field, (value, samples) in (book.load_bandwidths() if book else {}).items():
+            if field in self.m and value > 0 and samples > 0:
+                self.m[field] = Measured(value, f"learned: {samples} real move(s) before the last restart", samples)
+
+    def calibrate(self, home: Path, simulated: bool, cuda: Any = None) -> None:
+        """Disk write/read through this home's filesystem; for the RAM tier, pinned copies through
+        the CUDA driver on real GPUs (`cuda`: the cuda.bindings.driver module, or a stand-in), a
+        host memcpy on simulated ones. A figure that cannot be calibrated keeps what it has."""
+        try:
+            w, r = _disk_bandwidth(home)
+            self._set("disk_write_bps", w, "calibrated: 128 MiB write+fsync in the home")
+            self._set("disk_read_bps", r, "calibrated: 128 MiB read in the home")
+        except OSError:
+            pass
+        if simulated:
+            bps = _memcpy_bandwidth()
+            self._set("ram_park_bps", bps, "calibrated: host memcpy, simulated GPU")
+            self._set("ram_resume_bps", bps, "calibrated: host memcpy, simulated GPU")
+            return
+        try:
+            park, resume = pinned_copy_bandwidth(cuda)
+        except CudaUnavailable as e:
+            log.info("RAM-tier bandwidths not calibrated: %s", e)
+            return
+        size = f"{PINNED_CALIBRATION_BYTES // 2**20} MiB"
+        self._set("ram_park_bps", park, f"calibrated: pinned device->host copy of {size}")
+        self._set("ram_resume_bps", resume, f"calibrated: pinned host->device copy of {size}")
+
+    def observe(self, field: str, nbytes: int, seconds: Optional[float]) -> None:
+        """Fold in one real move of `nbytes` that took `seconds`, and keep the result durably."""
+        if not seconds or seconds <= 0 or nbytes < MIN_OBSERVED_BYTES:
+            return
+        bps = nbytes / seconds
+        with self._lock:
+            m = self.m[field]
+            n = m.samples + 1
+            value = bps if m.samples == 0 else (1 - SMOOTHING) * m.value + SMOOTHING * bps
+            self.m[field] = Measured(value, f"measured: {n} real move(s)", n)
+        if self._book is not None:
+            try:
+                self._book.save_bandwidth(field, value, n, time.time())
+            except sqlite3.Error as e:   # the figure still serves this run; only its memory is lost
+                log.warning("could not save the %s figure: %s", field, e)
+
+    def _set(self, field: str, value: float, source: str) -> None:
+        with self._lock:
+            if self.m[field].samples == 0:
+                self.m[field] = Measured(value, source)
+
+    def costs(self) -> SwitchCosts:
+        with self._lock:
+            return replace(SwitchCosts(), **{f: m.value for f, m in self.m.items()})
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        with self._lock:
+            return {f: {"bytes_per_s": m.value, "source": m.source, "samples": m.samples}
+                    for f, m in self.m.items()}
+
+
+# -- calibrations ------------------------------------------------------------------------------
+class CudaUnavailable(Exception):
+    """No pinned-copy calibration here: no cuda-bindings, no usable GPU, or a driver call failed."""
+
+
+def pinned_copy_bandwidth(cuda: Any = None, nbytes: int = PINNED_CALIBRATION_BYTES,
+                          ordinal: int = 0, repeats: int = 3) -> tuple[float, float]:
+    """(device->host, host->device) bytes/s of pinned copies on GPU `ordinal`, best of `repeats`:
+    what a RAM park and resume move at. Through the CUDA driver API (cuda.bindings.driver), never
+    torch: the daemon must not import it. Every cuda-bindings call returns a tuple whose first
+    element is the CUresult. The primary context is released afterwards, so the daemon keeps no
+    GPU memory; a GPU too full for the buffers (a job survived the restart) raises CudaUnavailable."""
+    if cuda is None:
+        try:
+            from cuda.bindings import driver as cuda
+        except Exception as e:   # not installed, or its native part fails to load
+            raise CudaUnavailable(f"cuda-bindings is not usable ({e})") from None
+
+    def call(name: str, *args: Any) -> Any:
+        result = getattr(cuda, name)(*args)
+        err = result[0] if isinstance(result, tuple) else result
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise CudaUnavailable(f"{name} failed: {getattr(err, 'name', err)}")
+        return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+    def quietly(name: str, *args: Any) -> None:   # clean-up: a failure must not hide the first one
+        try:
+            call(name, *args)
+        except CudaUnavailable as e:
+            log.info("calibration clean-up: %s", e)
+
+    call("cuInit", 0)
+    dev = call("cuDeviceGet", ordinal)
+    ctx = call("cuDevicePrimaryCtxRetain", dev)
+    try:
+        call("cuCtxPushCurrent", ctx)
+        host = dptr = None
+        try:
+            host = call("cuMemHostAlloc", nbytes, 0)
+            dptr = call("cuMemAlloc", nbytes)
+            # Both copies are synchronous for pinned memory; the synchronize is belt and braces.
+            h2d = _best(lambda: (call("cuMemcpyHtoD", dptr, host, nbytes), call("cuCtxSynchronize")), repeats)
+            d2h = _best(lambda: (call("cuMemcpyDtoH", host, dptr, nbytes), call("cuCtxSynchronize")), repeats)
+        finally:
+            if dptr is not None:
+                quietly("cuMemFree", dptr)
+            if host is not None:
+                quietly("cuMemFreeHost", host)
+            quietly("cuCtxPopCurrent")
+    finally:
+        quietly("cuDevicePrimaryCtxRelease", dev)
+    return nbytes / d2h, nbytes / h2d
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    """Shortest of `repeats` timed runs (the first pays one-time costs), never 0."""
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _memcpy_bandwidth() -> float:
+    import numpy as np
+
+    src = np.ones(CALIBRATION_BYTES // 8)
+    dst = np.empty_like(src)
+    return CALIBRATION_BYTES / _best(lambda: np.copyto(dst, src), 3)
+
+
+def _disk_bandwidth(home: Path) -> tuple[float, float]:
+    path = home / ".calibration"
+    block = os.urandom(4 * 2**20)
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(CALIBRATION_BYTES // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        write = CALIBRATION_BYTES / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            while f.read(len(block)):
+                pass
+        read = CALIBRATION_BYTES / (time.perf_counter() - t0)   # page cache: an upper bound
+    finally:
+        path.unlink(missing_ok=True)
+    return write, read

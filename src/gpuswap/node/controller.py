@@ -1,0 +1,255 @@
+"""The daemon's control loop: observe what is, ask the policy what should be, make the moves.
+
+Level-triggered, as a Kubernetes controller: every tick re-reads the database and every live
+job's supervisor status, so a daemon restarted at any instant simply converges. Each move is
+written to SQLite *before* it is carried out (a launch is idempotent per generation), and the
+API never changes a job's state itself: it records the user's intent (cancel, hold) and wakes us.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from gpuswap import policy
+from gpuswap.jobs import JobState, format_size
+from gpuswap.node import snapshot
+from gpuswap.node.bandwidth import Bandwidths
+from gpuswap.node.cuda_ckpt import CheckpointDriver
+from gpuswap.node.freezer import Freezer, mechanism_for, tiers_for
+from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.launcher import Launcher
+from gpuswap.node.observe import Observer
+from gpuswap.node.store import JobRecord, Store
+from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start
+
+log = logging.getLogger("gpuswap.controller")
+
+ACTIVE = (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING)
+WITH_PROCESS = ACTIVE + (JobState.PAUSED,)   # PAUSED in RAM or by SIGSTOP keeps its process
+MIN_GAP_S = 0.05
+
+
+@dataclass
+class ControllerConfig:
+    policy: str = "gpuswap"
+    pause_timeout_s: float = 60.0      # no safepoint within this long after a pause request: fall back
+    no_runtime: str = "wait"           # fallback: "wait" (keep running) or "sigstop" (memory stays on GPU)
+    ram_budget: int = 0                # bytes of host RAM parked jobs may hold
+    tick_s: float = 0.2
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+class Controller:
+    def __init__(self, store: Store, launcher: Launcher, gpus: GpuInventory, config: ControllerConfig,
+                 driver: CheckpointDriver, bandwidths: Bandwidths, clock: Callable[[], float] = time.time):
+        self.store, self.launcher, self.gpus, self.config, self.clock = store, launcher, gpus, config, clock
+        self.driver, self.bandwidths = driver, bandwidths
+        self.transparent_ok = driver.capability.available
+        self.freezer = Freezer(store, driver, gpus, bandwidths)
+        self.observer = Observer(store, launcher, self.freezer, bandwidths, config.pause_timeout_s,
+                                 config.no_runtime)
+        self.usage = store.load_usage()
+        self._wake = threading.Event()
+        self.changed = threading.Condition()
+        self._last_tick: Optional[float] = None
+        self._accrued: dict[int, list[float]] = {}
+        self._last_flush = 0.0
+        self._live: dict[int, JobRecord] = {}
+        self._views: dict[int, tuple[int, JobView]] = {}
+        self._seen_version = 0
+
+    # -- loop -------------------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:   # a bad tick must never kill the daemon; the next one retries
+                log.exception("controller tick failed")
+            # Under a burst of submits, wake-ups would make ticks back to back and starve the
+            # API of the interpreter: rest at least as long as the tick took.
+            time.sleep(max(MIN_GAP_S, time.monotonic() - started))
+            self._wake.wait(self.config.tick_s)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        now = self.clock()
+        for job in list(self._refresh().values()):
+            if job.state in WITH_PROCESS or job.cancel_requested:
+                self.observer.observe(job, now)
+        for job in list(self._refresh().values()):
+            if job.state in WITH_PROCESS:
+                self._apply_user_intent(job, now)
+        live = self._refresh()
+        jobs = sorted(live.values(), key=lambda j: j.id)
+        self._accrue(jobs, now)
+        views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
+        snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
+                              self.config.ram_budget, self.usage)
+        for d in policy.decide(snap, self.config.policy):
+            job = live.get(int(d.job_id))
+            if job is not None:
+                self._apply(d, job, now)
+        for job in list(self._refresh().values()):
+            if job.state in WITH_PROCESS:
+                self._push_desired(job)
+        self.launcher.reap()
+        with self.changed:
+            self.changed.notify_all()
+
+    def _refresh(self) -> dict[int, JobRecord]:
+        """The live jobs, kept current by reading only rows written since the last read."""
+        for rec in self.store.changed_since(self._seen_version):
+            self._seen_version = max(self._seen_version, rec.version)
+            if rec.state.terminal:
+                self._live.pop(rec.id, None)
+                self._views.pop(rec.id, None)
+            else:
+                self._live[rec.id] = rec
+        return self._live
+
+    def _view(self, job: JobRecord) -> JobView:
+        cached = self._views.get(job.id)
+        if cached is None or cached[0] != job.version:
+            cached = self._views[job.id] = (job.version, snapshot.job_view(
+                job, self.transparent_ok, self.driver.capability.migration))
+        return cached[1]
+
+    # -- accounting -------------------------------------------------------------------------
+    def _accrue(self, jobs: list[JobRecord], now: float) -> None:
+        """Attained service, run and switch time, and fair-share usage; flushed every second."""
+        dt = 0.0 if self._last_tick is None else max(0.0, now - self._last_tick)
+        self._last_tick = now
+        gpu_s_by_user: dict[str, float] = {}
+        for j in jobs:
+            if j.state == JobState.RUNNING and not j.stopped:
+                acc = self._accrued.setdefault(j.id, [0.0, 0.0, 0.0])
+                acc[0] += dt * j.gpus
+                acc[1] += dt
+                gpu_s_by_user[j.user] = gpu_s_by_user.get(j.user, 0.0) + dt * j.gpus
+            elif j.state in (JobState.PAUSING, JobState.RESUMING):
+                self._accrued.setdefault(j.id, [0.0, 0.0, 0.0])[2] += dt
+        self.usage = policy.decay_usage(
+            self.usage, dt, gpu_s_by_user, self.config.policy_config.fair_share_half_life_s)
+        if now - self._last_flush >= 1.0:
+            self.store.accrue([(jid, a, r, s) for jid, (a, r, s) in self._accrued.items() if a or r or s])
+            self.store.save_usage(self.usage, now)
+            self._accrued.clear()
+            self._last_flush = now
+
+    # -- moves ------------------------------------------------------------------------------
+    def _apply_user_intent(self, job: JobRecord, now: float) -> None:
+        """A user's `pause` (hold) on a running job becomes a pause request, like a policy one."""
+        if job.hold and job.state == JobState.RUNNING and not job.cancel_requested:
+            tier = job.desired_tier or "ram"
+            if tier not in tiers_for(job, self.transparent_ok):
+                self.store.update(job.id, now, hold=False, desired_tier=None,
+                                  event=f"pause to {tier} refused: this job cannot be parked there "
+                                        f"({self._why_not(job)})")
+                return
+            self._pause(job, tier, now, "requested by user", count=False)
+
+    def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
+        detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
+        if isinstance(d, Start) and job.state == JobState.PENDING and not job.cancel_requested:
+            gen = job.generation + 1
+            self.store.update(job.id, now, state=JobState.RUNNING, assigned=list(d.gpus), generation=gen,
+                              last_start=now, desired="running", desired_tier=None, attached=False,
+                              event=_with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason))
+            self._launch(job, gen, d.gpus)
+        elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.transparent_ok):
+            self._pause(job, d.tier, now, d.reason, count=True)
+        elif isinstance(d, Resume) and job.state == JobState.PAUSED:
+            self._resume(job, d, now)
+        elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
+              and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
+            self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
+                              event=_with_reason("spilling from RAM to disk", d.reason))
+        else:
+            return
+        self.store.record_decision(now, type(d).__name__.lower(), job.id, detail)
+
+    def _pause(self, job: JobRecord, tier: str, now: float, reason: str, count: bool) -> None:
+        mech = mechanism_for(job, self.transparent_ok)
+        what = "freezing through the driver" if mech == "transparent" else f"pausing to {tier}"
+        changes: dict = dict(state=JobState.PAUSING, mechanism=mech, desired_tier=tier, pause_requested_at=now,
+                             ram_allowance=self._ram_room(job) if tier == "ram" else None)
+        if mech == "cooperative":
+            changes["desired"] = "paused"
+        if count:
+            changes["preemptions"] = job.preemptions + 1
+        self.store.update(job.id, now, event=_with_reason(what, reason), **changes)
+
+    def _ram_room(self, job: JobRecord) -> int:
+        """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;
+        this hard cap travels with the request, so a job larger than its estimate is parked to
+        disk instead (cooperative) or not frozen (transparent), and the budget is never exceeded."""
+        held = sum(j.parked_bytes for j in self._live.values() if j.parked == "ram" and j.id != job.id)
+        inflight = sum(j.ram_allowance or 0 for j in self._live.values()
+                       if j.state == JobState.PAUSING and j.desired_tier == "ram" and j.id != job.id)
+        return max(0, self.config.ram_budget - held - inflight)
+
+    def _why_not(self, job: JobRecord) -> str:
+        if job.transparent_refused:
+            return job.transparent_refused
+        if job.no_runtime:
+            return "it reached no safepoint when last asked to pause; it is not asked again"
+        if mechanism_for(job, self.transparent_ok) == "transparent":
+            return "a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
+        return f"pause mode {job.pause_mode}; {self.driver.capability.reason}"
+
+    def _resume(self, job: JobRecord, d: Resume, now: float) -> None:
+        if job.stopped and job.parked is None:     # the SIGSTOP fallback: nothing was moved
+            self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, last_start=now,
+                              event=_with_reason("continued (SIGCONT)", d.reason))
+        elif job.parked == "ram":
+            movable = job.mechanism == "transparent"
+            pinned = job.home_gpus and not (movable and self.driver.capability.migration)
+            if pinned and sorted(d.gpus) != sorted(job.home_gpus):
+                return   # its CUDA context lives on home_gpus; wait for those
+            self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
+                              assigned=list(d.gpus),
+                              event=_with_reason(f"{'thawing' if movable else 'resuming from RAM'} on GPU "
+                                                 f"{_gpus(d.gpus)}", d.reason))
+        elif job.parked == "disk":
+            gen = job.generation + 1
+            self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
+                              assigned=list(d.gpus), generation=gen, attached=False,
+                              event=_with_reason(
+                                  f"restarting from its disk checkpoint ({format_size(job.parked_bytes)}) "
+                                  f"on GPU {_gpus(d.gpus)}", d.reason))
+            self._launch(job, gen, d.gpus)
+
+    def _launch(self, job: JobRecord, generation: int, gpus: tuple[int, ...] | list[int]) -> None:
+        self.launcher.launch(job, self.store.env(job.id), generation, self.gpus.visible_devices(list(gpus)),
+                             {"run": "running"})
+
+    def _push_desired(self, job: JobRecord) -> None:
+        if job.generation == 0 or (job.state == JobState.PAUSED and job.parked == "disk"):
+            return
+        if job.state in ACTIVE and not (self.launcher.run_dir(job.id, job.generation) / "spec.json").exists():
+            # The daemon died between recording a start and spawning it: spawn now (idempotent).
+            self._launch(job, job.generation, job.assigned)
+        self.launcher.set_desired(job.id, job.generation, {
+            "run": job.desired, "tier": job.desired_tier, "sigstop": job.stopped,
+            "cancel": job.cancel_requested, "max_bytes": job.ram_allowance,
+        })
+
+
+def _gpus(gpus: tuple[int, ...] | list[int]) -> str:
+    return ",".join(str(g) for g in gpus)
+
+
+def _with_reason(what: str, reason: str) -> str:
+    """The policy's reason, led by what we did unless the reason already says it."""
+    if not reason:
+        return what
+    if reason.split()[0].lower()[:5] == what.split()[0].lower()[:5]:
+        return reason
+    return f"{what}: {reason}"

@@ -1,0 +1,144 @@
+"""What GPUs this node has: real ones through NVML, or simulated ones that say so.
+
+Simulated devices exist so that the whole product runs on a laptop or CI; their memory use is
+what the jobs' runtimes report, and every record they produce carries `simulated: True`.
+"""
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gpuswap.jobs import parse_size
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: Optional[int]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    mem_total: int
+    mem_used: Optional[int]           # None: simulated, filled in from job reports by the caller
+    simulated: bool
+    processes: tuple[GpuProcess, ...] = field(default_factory=tuple)
+
+
+class GpuInventory(abc.ABC):
+    simulated = False
+
+    @abc.abstractmethod
+    def list(self) -> list[GpuInfo]:
+        """The node's GPUs now."""
+
+    def visible_devices(self, indices: list[int]) -> str:
+        """CUDA_VISIBLE_DEVICES value for these GPUs."""
+        return ",".join(str(i) for i in indices)
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for people: what kind of GPUs, how many."""
+
+
+MAX_SIMULATED = 1024
+
+
+class SimulatedGpus(GpuInventory):
+    simulated = True
+
+    def __init__(self, count: int, mem_total: int):
+        self.count, self.mem_total = count, mem_total
+
+    @classmethod
+    def parse(cls, spec: str) -> "SimulatedGpus":
+        """'2x80GiB' -> two simulated 80 GiB GPUs; '4' -> four of 80 GiB. A GPU without memory
+        could hold no job, and thousands of them would only slow every tick: both are refused."""
+        m = re.fullmatch(r"\s*(\d+)\s*(?:[xX*]\s*(.+))?", spec or "")
+        if not m or not 1 <= int(m.group(1)) <= MAX_SIMULATED:
+            raise ValueError(f"cannot read --simulate-gpus {spec!r}; write COUNTxSIZE with a count from 1 "
+                             f"to {MAX_SIMULATED}, e.g. 2x80GiB")
+        try:
+            mem = parse_size(m.group(2) or "80GiB")
+        except ValueError as e:
+            raise ValueError(f"cannot read --simulate-gpus {spec!r}: {e}") from None
+        if mem < 1:
+            raise ValueError(f"--simulate-gpus {spec!r} gives its GPUs no memory; write e.g. 2x80GiB")
+        return cls(int(m.group(1)), mem)
+
+    def list(self) -> list[GpuInfo]:
+        return [GpuInfo(i, "simulated GPU", f"SIM-{i}", self.mem_total, None, True)
+                for i in range(self.count)]
+
+    def describe(self) -> str:
+        return f"{self.count} simulated GPU(s), no real GPU is used"
+
+
+class NvmlGpus(GpuInventory):
+    """Real GPUs. NVML indices follow PCI bus order, hence CUDA_DEVICE_ORDER=PCI_BUS_ID for jobs."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self.count = pynvml.nvmlDeviceGetCount()
+        self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+
+    def list(self) -> list[GpuInfo]:
+        nv = self._nvml
+        out = []
+        for i in range(self.count):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            try:
+                procs = tuple(GpuProcess(p.pid, p.usedGpuMemory)
+                              for p in nv.nvmlDeviceGetComputeRunningProcesses(h))
+            except nv.NVMLError:
+                procs = ()
+            out.append(GpuInfo(i, _text(nv.nvmlDeviceGetName(h)), _text(nv.nvmlDeviceGetUUID(h)),
+                               int(mem.total), int(mem.used), False, procs))
+        return out
+
+    def persistence(self) -> dict[int, bool]:
+        """Persistence mode per GPU: restore without it needs cuInit in the restoring process."""
+        nv, out = self._nvml, {}
+        for i in range(self.count):
+            try:
+                out[i] = bool(nv.nvmlDeviceGetPersistenceMode(nv.nvmlDeviceGetHandleByIndex(i)))
+            except nv.NVMLError:
+                out[i] = False
+        return out
+
+    def visible_devices(self, indices: list[int]) -> str:
+        # UUIDs: immune to index renumbering by CUDA_VISIBLE_DEVICES in the job's own environment.
+        by_index = {g.index: g.uuid for g in self.list()}
+        return ",".join(by_index[i] for i in indices)
+
+    def describe(self) -> str:
+        return f"{self.count} NVIDIA GPU(s) via NVML, driver {self.driver}"
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def detect(simulate: Optional[str]) -> GpuInventory:
+    """Simulated GPUs if asked; else NVML; else a clear error (never a silent simulation)."""
+    if simulate:
+        return SimulatedGpus.parse(simulate)
+    try:
+        inv = NvmlGpus()
+    except Exception as e:   # pynvml raises NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        raise RuntimeError(
+            f"no NVIDIA GPU found through NVML ({e}); on a machine without GPUs start the "
+            "daemon with --simulate-gpus 2x80GiB"
+        ) from None
+    if inv.count == 0:
+        raise RuntimeError("NVML reports no GPU; start with --simulate-gpus 2x80GiB to simulate some")
+    return inv

@@ -1,0 +1,191 @@
+"""Fold what the supervisors report into job records: the 'actual state' half of the loop.
+
+Every transition here is driven by a fact in a supervisor's status file (the job parked, resumed,
+exited, ...) or by a timeout the daemon owns, and is recorded with an event and its reason.
+"""
+from __future__ import annotations
+
+import shutil
+import signal as signals
+from typing import Any
+
+from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
+from gpuswap.node.bandwidth import Bandwidths
+from gpuswap.node.freezer import Freezer
+from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
+from gpuswap.node.store import JobRecord, Store
+
+# A job that has run this long without its runtime saying hello is taken to have none.
+ATTACH_GRACE_S = 30.0
+
+
+class Observer:
+    def __init__(self, store: Store, launcher: Launcher, freezer: Freezer, bandwidths: Bandwidths,
+                 pause_timeout_s: float, no_runtime: str):
+        self.store, self.launcher, self.freezer, self.bandwidths = store, launcher, freezer, bandwidths
+        self.pause_timeout_s, self.no_runtime = pause_timeout_s, no_runtime
+
+    def observe(self, job: JobRecord, now: float) -> None:
+        if job.state == JobState.PENDING or (job.state == JobState.PAUSED and job.parked == "disk"):
+            if job.cancel_requested:
+                self._end(job, now, state=JobState.CANCELLED, assigned=[], parked=None, parked_bytes=0,
+                          event="cancelled before it ran" if job.state == JobState.PENDING
+                          else "cancelled while parked on disk")
+            return
+        if job.generation == 0:
+            return
+        obs = self.launcher.observe(job.id, job.generation)
+        if obs.exit is not None:
+            self._finished(job, obs, now)
+            return
+        if not obs.alive:
+            if obs.spawned_at is None:
+                return          # start recorded but not spawned yet; the controller spawns it
+            if obs.status is None and now - obs.spawned_at < SPAWN_GRACE_S:
+                return          # supervisor still starting
+            self._end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0,
+                      event="its supervisor died without recording an exit status")
+            return
+        rt = obs.runtime
+        self._track_usage(job, rt, now)
+        if (job.state == JobState.PAUSED and job.parked == "ram" and job.desired_tier == "disk"
+                and _failed_since(rt, job.pause_requested_at)):
+            self.store.update(job.id, now, desired_tier="ram", hold=False,
+                              event=f"spill to disk failed, job stays parked in RAM: {rt['error']}")
+            return
+        if job.mechanism == "transparent" and job.state == JobState.PAUSING:
+            self.freezer.freezing(job, obs, now)
+        elif job.mechanism == "transparent" and job.state == JobState.RESUMING:
+            self.freezer.thawing(job, obs, now)
+        elif job.state == JobState.PAUSING:
+            self._pausing(job, rt, bool((obs.status or {}).get("stopped")), now)
+        elif job.state == JobState.RESUMING:
+            self._resuming(job, rt, now)
+
+    # -- transitions ------------------------------------------------------------------------
+    def _track_usage(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
+        # `no_runtime` is never cleared here: once a pause timed out the job was told "it will not
+        # be preempted", and a runtime that is attached but slow between safepoints would
+        # otherwise be asked again at once, time out again, and loop. See _pausing.
+        changes: dict[str, Any] = {}
+        if rt.get("attached") and not job.attached:
+            changes["attached"] = True
+        dev = int(rt.get("device_bytes") or 0)
+        if rt.get("state") == "running" and dev and dev != job.device_bytes:
+            changes["device_bytes"] = dev
+        if rt.get("step") is not None and rt.get("step") != job.step:
+            changes["step"] = rt["step"]
+        if changes:
+            self.store.update(job.id, now, **changes)
+
+    def _pausing(self, job: JobRecord, rt: dict[str, Any], stopped: bool, now: float) -> None:
+        if job.stopped:
+            if stopped:   # the supervisor confirms the SIGSTOP
+                self.store.update(job.id, now, state=JobState.PAUSED, parked=None, desired="running",
+                                  event=f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory "
+                                        "stays allocated and is not counted as freed")
+            return
+        if rt.get("state") == "paused" and rt.get("tier") == "ram":
+            nbytes = int(rt.get("bytes") or 0)
+            self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
+            self.store.update(
+                job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
+                home_gpus=job.assigned, assigned=[], step=rt.get("step"),
+                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s', 0):.2f} s",
+            )
+            return
+        if _failed_since(rt, job.pause_requested_at):
+            self.store.update(job.id, now, state=JobState.RUNNING, desired="running", desired_tier=None,
+                              hold=False, event=f"park failed, job keeps running: {rt['error']}")
+            return
+        asked_for = now - (job.pause_requested_at or now)
+        never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
+        if asked_for <= self.pause_timeout_s and not never_attached:
+            return
+        # From here on the job is not asked to pause again for the rest of this launch (a later
+        # safepoint or hello proves nothing about the next pause); the flag is per record and
+        # nothing clears it, so the promise in the event below holds.
+        why = ("no gpuswap runtime attached" if not rt.get("attached")
+               else f"no safepoint reached within {self.pause_timeout_s:g} s")
+        if self.no_runtime == "sigstop":
+            self.store.update(job.id, now, stopped=True, no_runtime=True, desired="running", reason=why)
+        else:
+            self.store.update(job.id, now, state=JobState.RUNNING, no_runtime=True, hold=False,
+                              desired="running", desired_tier=None,
+                              event=f"cannot park ({why}): left running; it will not be preempted")
+
+    def _resuming(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
+        if job.parked == "ram" and rt.get("state") == "running":
+            self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.get("resume_s"))
+            self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
+                              last_start=now,
+                              event=f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s")
+        elif job.parked == "disk" and rt.get("attached"):
+            step = rt.get("restored_step")
+            nbytes, seconds = int(rt.get("restored_bytes") or 0), rt.get("restore_s")
+            # The runtime timed its restore (read, verify, load, copy in): the disk tier's real
+            # resume bandwidth, as a RAM resume's timing is the RAM tier's.
+            self.bandwidths.observe("disk_read_bps", nbytes, seconds)
+            read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
+            self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, last_start=now,
+                              event="restarted from its disk checkpoint"
+                                    + (f" at step {step}" if step is not None else "") + read)
+
+    def _end(self, job: JobRecord, now: float, **changes: Any) -> None:
+        """Record a terminal state, then drop the job's checkpoints: nothing will resume them."""
+        self.store.update(job.id, now, end_time=now, **changes)
+        shutil.rmtree(self.launcher.ckpt_dir(job.id), ignore_errors=True)
+
+    def _finished(self, job: JobRecord, obs: Observation, now: float) -> None:
+        ex, rt = obs.exit or {}, obs.runtime
+        # When it ended, not when we noticed: a job that ended while the daemon was down is seen
+        # only after the restart, but its supervisor wrote the exit time in status.json.
+        now = _exit_time(ex, now)
+        code, sig = ex.get("code"), ex.get("signal")
+        common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
+        if code == REQUEUE_EXIT_CODE and rt.get("state") == "checkpointed" and not job.cancel_requested:
+            nbytes = int(rt.get("bytes") or 0)
+            self.bandwidths.observe("disk_write_bps", nbytes, rt.get("pause_s"))
+            self.store.update(
+                job.id, now, state=JobState.PAUSED, parked="disk", parked_bytes=nbytes, home_gpus=[],
+                step=rt.get("step"), mechanism="cooperative", **common,
+                event=f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} "
+                      f"written in {rt.get('pause_s') or 0:.2f} s; requeued")
+            return
+        common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
+        where = f" while {job.state.value.lower()}" if job.state != JobState.RUNNING else ""
+        if ex.get("error"):
+            self._end(job, now, state=JobState.FAILED, event=ex["error"], **common)
+        elif job.abort_reason:
+            self._end(job, now, state=JobState.FAILED, event=f"{job.abort_reason} ({_exit_text(code, sig)})", **common)
+        elif job.cancel_requested:
+            self._end(job, now, state=JobState.CANCELLED, event=f"cancelled ({_exit_text(code, sig)})", **common)
+        elif code == 0:
+            self._end(job, now, state=JobState.COMPLETED, event=f"exited with code 0{where}", **common)
+        else:
+            self._end(job, now, state=JobState.FAILED, event=_exit_text(code, sig) + where, **common)
+
+
+def _exit_time(ex: dict[str, Any], now: float) -> float:
+    """The supervisor's recorded exit time, if it is usable (never later than now)."""
+    try:
+        when = float(ex["time"])
+    except (KeyError, TypeError, ValueError):
+        return now
+    return min(when, now) if when > 0 else now
+
+
+def _failed_since(rt: dict[str, Any], asked_at: Any) -> bool:
+    """The runtime reported an error for a request made at `asked_at` (not an older one)."""
+    return bool(rt.get("error")) and float(rt.get("error_at") or 0) >= float(asked_at or 0)
+
+
+def _exit_text(code: Any, sig: Any) -> str:
+    if sig:
+        try:
+            name = signals.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+

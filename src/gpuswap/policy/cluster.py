@@ -1,0 +1,150 @@
+"""What one scheduling round knows about the GPUs: free, coming free, lendable, RAM room, per node.
+
+Built on every call with every live job, so it partitions with comprehensions and derives the free
+GPUs from a set difference: the simulator calls it hundreds of thousands of times. Mutated as the
+round hands out GPUs, so later waiting jobs see what earlier ones took.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+from gpuswap.policy.costs import job_bytes, ram_free_by_node
+from gpuswap.policy.model import JobView, Phase, Snapshot
+
+_TOPOLOGY: list = [None, None]   # memo of the last GPU tuple's layout (the daemon's rarely changes)
+
+
+def _topology(gpus: tuple) -> tuple[dict[int, str], list[str], frozenset[int], dict[int, int]]:
+    """GPU id -> node, the sorted node names, the healthy GPU ids, GPU id -> memory."""
+    if _TOPOLOGY[0] is not gpus:
+        _TOPOLOGY[0], _TOPOLOGY[1] = gpus, ({g.id: g.node for g in gpus}, sorted({g.node for g in gpus}),
+                                            frozenset(g.id for g in gpus if g.healthy),
+                                            {g.id: g.mem_total for g in gpus})
+    return _TOPOLOGY[1]
+
+
+class ClusterState:
+    """Free GPUs, GPUs a pause in flight will free (`pending`), GPUs whose only holder is a stopped
+    job (`lendable`, with the memory it leaves), each node's host-RAM room, and the RAM-parked
+    jobs that could be spilled to make room (`spillable_on`, from the tail of the policy order)."""
+
+    def __init__(self, snap: Snapshot):
+        self.node_of, self.nodes, healthy, mem_total = _topology(snap.gpus)
+        jobs = snap.jobs
+        running, pending, paused, pausing = Phase.RUNNING, Phase.PENDING, Phase.PAUSED, Phase.PAUSING
+        self.running: list[JobView] = [j for j in jobs if j.phase is running]
+        self.waiting: list[JobView] = [j for j in jobs if j.phase is pending or j.phase is paused]
+        held = {g for j in self.running for g in j.assigned}
+        self.ram_used: dict[str, int] = defaultdict(int)
+        self.pending: dict[str, list[int]] = defaultdict(list)
+        stopped: dict[int, int] = {}        # GPU -> bytes a stopped job keeps on it
+        for j in self.waiting:
+            if j.parked == "ram":
+                self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
+            if j.holds_gpu_while_paused:
+                for g in j.assigned:
+                    stopped[g] = stopped.get(g, 0) + j.mem_bytes
+        if len(self.running) + len(self.waiting) < len(jobs):
+            for j in jobs:                  # pauses and resumes in flight (few)
+                ph = j.phase
+                if ph is running or ph is pending or ph is paused:
+                    continue
+                held.update(j.assigned)
+                if ph is pausing:
+                    self.pending[self.job_node(j)].extend(g for g in j.assigned if g in self.node_of)
+                    if j.parked == "ram":
+                        self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
+        self.lendable: dict[int, int] = {g: mem_total.get(g, 0) - kept for g, kept in stopped.items()
+                                         if g not in held and g in healthy}
+        held.update(stopped)
+        self.free: dict[str, list[int]] = {n: [] for n in self.nodes}
+        node_of = self.node_of
+        for gid in sorted(healthy.difference(held)):     # usually few: the cluster is mostly busy
+            self.free[node_of[gid]].append(gid)
+        self.ram_free = ram_free_by_node(snap.ram_budget, self.ram_used, set(self.nodes))
+        self.ram_version: dict[str, int] = defaultdict(int)   # bumped when a node's RAM room or spillables change
+        self._order: list[JobView] = []
+        self._spillable: Optional[dict[str, list[JobView]]] = None
+        self._not_spillable: set[str] = set()
+        self.refresh()
+
+    def park_into_ram(self, node: str, nbytes: int) -> None:
+        self.ram_free[node] -= nbytes
+        self.ram_version[node] += 1
+
+    def set_order(self, waiting: list[JobView]) -> None:
+        """The waiting jobs in policy order (spill candidates are taken from its tail)."""
+        self._order = waiting
+
+    def spillable_on(self, node: str) -> list[JobView]:
+        """RAM-parked jobs on `node` that could be spilled to disk, least deserving first. Built on
+        first need: most rounds never run short of RAM room."""
+        if self._spillable is None:
+            self._spillable = defaultdict(list)
+            for j in reversed(self._order):
+                if (j.phase is Phase.PAUSED and j.parked == "ram" and j.id not in self._not_spillable
+                        and not j.holds_gpu_while_paused and "disk" in j.tiers):
+                    self._spillable[j.node or self.job_node(j)].append(j)
+        return self._spillable[node]
+
+    def not_spillable(self, node: str, ids: set[str]) -> None:
+        """These jobs leave RAM this round (resumed, or already being spilled)."""
+        self._not_spillable |= ids
+        self.ram_version[node] += 1
+        if self._spillable is not None:
+            self._spillable[node] = [p for p in self._spillable[node] if p.id not in ids]
+
+    def job_node(self, j: JobView) -> str:
+        for g in j.assigned:
+            if g in self.node_of:
+                return self.node_of[g]
+        return j.node or ""
+
+    def refresh(self) -> None:
+        free = self.free
+        self.max_free = max(map(len, free.values()), default=0)
+        soon = [len(free[n]) + len(p) for n, p in self.pending.items() if p]
+        self.max_soon = max(self.max_free, max(soon)) if soon else self.max_free
+
+    def take(self, node: str, need: int) -> tuple[int, ...]:
+        got = tuple(self.free[node][:need])
+        del self.free[node][:need]
+        return got
+
+    def take_exactly(self, node: str, gpus: set[int]) -> None:
+        """Take these GPUs out of the free and pending pools (a pinned job's own GPUs)."""
+        self.free[node] = [g for g in self.free[node] if g not in gpus]
+        self.pending[node] = [g for g in self.pending[node] if g not in gpus]
+
+    def reserve(self, node: str, need: int) -> int:
+        """Reserve up to `need` free then pending GPUs on `node`; return how many are still missing."""
+        n_free = min(need, len(self.free[node]))
+        del self.free[node][:n_free]
+        n_pend = min(need - n_free, len(self.pending[node]))
+        del self.pending[node][:n_pend]
+        return need - n_free - n_pend
+
+    def lend(self, need: int, mem_bytes: int, nodes: list[str]) -> Optional[tuple[str, tuple[int, ...]]]:
+        """`need` GPUs on one of `nodes` whose stopped holder leaves at least `mem_bytes` free on
+        each; taken out of the pool. A job of unknown footprint (0) borrows nothing."""
+        if mem_bytes <= 0 or not self.lendable:
+            return None
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for g in sorted(self.lendable):
+            if self.lendable[g] >= mem_bytes and self.node_of[g] in nodes:
+                by_node[self.node_of[g]].append(g)
+        fit = sorted((len(gs), n) for n, gs in by_node.items() if len(gs) >= need)
+        if not fit:
+            return None
+        node = fit[0][1]
+        got = tuple(by_node[node][:need])
+        for g in got:
+            del self.lendable[g]
+        return node, got
+
+    def candidate_nodes(self, w: JobView) -> list[str]:
+        """Where `w` may run: a RAM-parked job only on the node holding its state."""
+        if w.phase is Phase.PAUSED and w.parked == "ram" and w.node:
+            return [w.node] if w.node in self.ram_free else []
+        return self.nodes

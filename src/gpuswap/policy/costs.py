@@ -1,0 +1,98 @@
+"""Switch costs and the tier choice: where to park a victim (host RAM, disk, or not at all).
+
+Kept apart from the policies so the engine, the daemon and the simulator use one arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from gpuswap.policy.model import JobView, PolicyConfig, SwitchCosts
+
+UNLIMITED = float("inf")
+
+
+def job_bytes(job: JobView) -> int:
+    """Bytes a park moves: the per-GPU footprint times the job's GPUs."""
+    return job.mem_bytes * max(job.gpus, 1)
+
+
+def switch_s(job: JobView, tier: str, costs: SwitchCosts) -> float:
+    """Seconds of GPU time lost to one park plus the matching resume (the round trip)."""
+    nbytes = job_bytes(job)
+    return costs.park_s(nbytes, tier) + costs.resume_s(nbytes, tier)
+
+
+def ram_free_by_node(ram_budget: Mapping[str, int], ram_used: Mapping[str, int],
+                     nodes: set[str]) -> dict[str, float]:
+    """Room left in each node's host-RAM park budget. A node with no budget entry is unlimited."""
+    return {n: (ram_budget[n] - ram_used.get(n, 0)) if n in ram_budget else UNLIMITED for n in nodes}
+
+
+@dataclass(frozen=True, slots=True)
+class ParkPlan:
+    """How to park one victim: its tier, the RAM-parked jobs to spill to disk first, and the cost."""
+
+    tier: str                              # "ram" | "disk"
+    gpu_s: float                           # GPU-seconds lost: the victim's round trip + spill penalties
+    spill: tuple[JobView, ...] = ()        # spilled before the victim is parked (it waits for the room)
+
+    def per_gpu_s(self, job: JobView) -> float:
+        """The plan's cost in seconds of the victim's own time (what victim orders and gates use)."""
+        return self.gpu_s / max(job.gpus, 1)
+
+
+def spill_penalty_gpu_s(job: JobView, costs: SwitchCosts) -> float:
+    """What spilling a RAM-parked job costs in GPU time: its resume becomes a disk restart.
+    The host-side write itself takes no GPU."""
+    nbytes = job.parked_bytes or job_bytes(job)
+    return (costs.resume_s(nbytes, "disk") - costs.resume_s(nbytes, "ram")) * max(job.gpus, 1)
+
+
+def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[JobView]],
+              costs: SwitchCosts, config: PolicyConfig) -> Optional[ParkPlan]:
+    """The cheapest way to park `job` now, or None when it must not be paused.
+
+    The one cost function behind every tier choice (issue 3): park to host RAM if the node's
+    budget has room; or first spill RAM-parked jobs to disk (`spillable()`, least deserving first,
+    asked only when the room is short) until it has, paying their slower disk restart later; or
+    park straight to disk; whichever loses the fewest GPU-seconds (ties: fewer spills). A job
+    without a runtime (empty `tiers`) or marked non-preemptible is never parked.
+    """
+    tiers = job.tiers
+    if not job.preemptible or not tiers:
+        return None
+    gpus = job.gpus if job.gpus > 1 else 1
+    nbytes = job.mem_bytes * gpus
+    best: Optional[tuple[float, int, str, tuple[JobView, ...]]] = None
+    if "ram" in tiers:                      # the hot path: called for every victim scored
+        ram_gpu_s = (costs.park_s(nbytes, "ram") + costs.resume_s(nbytes, "ram")) * gpus
+        if ram_room >= nbytes:
+            best = (ram_gpu_s, 0, "ram", ())
+        elif config.allow_disk:
+            chosen, room, penalty = [], ram_room, 0.0
+            for p in spillable():
+                if room >= nbytes:
+                    break
+                chosen.append(p)
+                room += p.parked_bytes or job_bytes(p)
+                penalty += spill_penalty_gpu_s(p, costs)
+            if room >= nbytes:
+                best = (ram_gpu_s + penalty, len(chosen), "ram", tuple(chosen))
+    if "disk" in tiers and config.allow_disk:
+        disk = ((costs.park_s(nbytes, "disk") + costs.resume_s(nbytes, "disk")) * gpus, 0, "disk", ())
+        if best is None or disk[:2] < best[:2]:
+            best = disk
+    return ParkPlan(best[2], best[0], best[3]) if best is not None else None
+
+
+def choose_tier(job: JobView, node: str, ram_free: Mapping[str, float], costs: SwitchCosts,
+                config: PolicyConfig) -> Optional[str]:
+    """The tier `park_plan` would choose with nothing to spill (kept for callers outside the engine)."""
+    plan = park_plan(job, ram_free.get(node, UNLIMITED), tuple, costs, config)
+    return plan.tier if plan else None
+
+
+def spill_order_ok(job: JobView, config: PolicyConfig) -> bool:
+    """A RAM-parked job can be spilled to disk only if its runtime can write a checkpoint."""
+    return job.parked == "ram" and "disk" in job.tiers and config.allow_disk

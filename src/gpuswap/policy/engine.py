@@ -1,0 +1,212 @@
+"""The one scheduling engine all policies share: serve waiting jobs in policy order, place them,
+and pause victims when the policy allows it.
+
+Rules kept here, once, for every policy: whole exclusive GPUs, all of a job's GPUs on one node,
+best-fit placement, RAM-parked jobs resume on their own node (and a job pinned to its GPUs on those
+GPUs), GPUs of PAUSING/RESUMING jobs stay held, GPUs a pause in flight will free are reserved for the
+first waiting job that can use them (so no second round of victims is paused for the same need), a
+stopped job's GPUs lent only to jobs that fit beside the memory it keeps, the host-RAM budget.
+Victims: `victims.py`; the GPUs a round can hand out: `cluster.py`; tiers and costs: `costs.py`.
+"""
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Optional
+
+from gpuswap.policy.cluster import ClusterState
+from gpuswap.policy.costs import job_bytes, spill_order_ok
+from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start
+from gpuswap.policy.specs import Ctx, Spec
+from gpuswap.policy.victims import Chosen, Preemption
+
+
+def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
+    ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
+    cl = ClusterState(snap)
+    if (cl.max_free == 0 and cl.max_soon == 0 and not spec.preemptive and not cl.lendable
+            and not any(j.holds_gpu_while_paused for j in cl.waiting)):
+        over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
+        return _spills(snap, _ranked(cl.waiting, spec, ctx), set(), cl) if over else []  # full: done
+    return _Round(snap, spec, ctx, cl).run()
+
+
+class _Round:
+    """One pass over the waiting jobs in policy order, each served by the first rule that fits."""
+
+    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
+        self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
+        self.out: list[Decision] = []
+        self.pre: Optional[Preemption] = None      # built on first need: most calls never need it
+        self.resumed: set[str] = set()
+        # Preemption only gets harder as a round goes on (victims are taken, GPUs and RAM room
+        # handed out) and waiting jobs come in rising level, so a job like one that found no plan
+        # (same GPUs, places and benefit group, rank no lower) finds none either.
+        self.no_plan: dict[tuple, float] = {}
+
+    def run(self) -> list[Decision]:
+        spec, ctx, cl = self.spec, self.ctx, self.cl
+        keyed = [(spec.order(j, ctx), j) for j in cl.waiting]
+        keyed.sort(key=itemgetter(0))
+        waiting = [j for _, j in keyed]
+        cl.set_order(waiting)
+        done = False                        # nothing is left for the jobs still in the queue
+        for key, w in keyed:
+            if w.holds_gpu_while_paused:
+                self._continue_stopped(w)
+            elif w.home_gpus:
+                self._serve_pinned(w, key)
+            elif not done:
+                done = self._serve(w, key)
+        self.out.extend(_spills(self.snap, waiting, self.resumed, cl))
+        return self.out
+
+    def _serve(self, w: JobView, key: tuple) -> bool:
+        """Start, resume, reserve for, relocate or preempt for `w`, by the first rule that fits.
+        True when no job after it in the order can be served either: nothing is free, coming free
+        or lendable, and it may pause nobody -- every later job's level is at least as high."""
+        cl, need = self.cl, max(w.gpus, 1)
+        if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
+            lw = self._level_if_may_preempt(w, key)
+            if lw is None:
+                return True
+            self._preempt(w, key, lw, need)
+            return False
+        nodes = cl.candidate_nodes(w)
+        if cl.max_free >= need:
+            fit = [n for n in nodes if len(cl.free[n]) >= need]
+            if fit:
+                node = min(fit, key=lambda n: (len(cl.free[n]), n))      # best fit
+                gpus = cl.take(node, need)
+                self._run(w, node, gpus, f"on {node} GPU {_ids(gpus)}")
+                return False
+        if cl.max_soon >= need:
+            soon = [n for n in nodes if len(cl.free[n]) + len(cl.pending[n]) >= need]
+            if soon:                        # a pause in flight will make room: wait for it
+                cl.reserve(min(soon, key=lambda n: (len(cl.free[n]) + len(cl.pending[n]), n)), need)
+                cl.refresh()
+                return False
+        if cl.lendable:
+            lent = cl.lend(need, w.mem_bytes, nodes)
+            if lent is not None:
+                node, gpus = lent
+                self._run(w, node, gpus, f"on {node} GPU {_ids(gpus)} beside a stopped job's memory")
+                return False
+        if w.parked == "ram" and cl.max_free >= need and "disk" in w.tiers and self.snap.config.allow_disk:
+            elsewhere = [n for n in cl.nodes if n != w.node and len(cl.free[n]) >= need]
+            if elsewhere:                   # its node is full but GPUs idle elsewhere: relocate via disk
+                self.out.append(Spill(w.id, f"{w.node} is busy; moved to disk to resume on another node"))
+                self.resumed.add(w.id)
+                cl.reserve(min(elsewhere, key=lambda n: (len(cl.free[n]), n)), need)
+                cl.refresh()
+                return False
+        lw = self._level_if_may_preempt(w, key)
+        if lw is not None:
+            self._preempt(w, key, lw, need)
+        return False
+
+    def _preempt(self, w: JobView, key: tuple, lw: tuple, need: int) -> None:
+        group, rank = self.spec.benefit_rank(w, self.ctx)
+        like = (w.gpus, w.node if w.parked == "ram" else None, group)
+        if rank >= self.no_plan.get(like, float("inf")):
+            return
+        found = self.pre.plan(w, lw)
+        if found is None:
+            self.no_plan[like] = min(rank, self.no_plan.get(like, float("inf")))
+            return
+        node, chosen = found
+        self.cl.reserve(node, need)
+        self._pause(w, node, chosen)
+
+    def _serve_pinned(self, w: JobView, key: tuple) -> None:
+        """A RAM-parked job whose CUDA context stays on its GPUs resumes on exactly those."""
+        cl = self.cl
+        home = set(w.home_gpus)
+        node = cl.node_of.get(w.home_gpus[0])
+        if node is None:
+            return
+        free, pending = set(cl.free[node]), set(cl.pending[node])
+        if home <= free:
+            cl.take_exactly(node, home)
+            self._run(w, node, tuple(sorted(home)), f"on its own GPU {_ids(sorted(home))}")
+        elif home <= free | pending:
+            cl.take_exactly(node, home)     # a pause in flight frees the rest: wait for it
+            cl.refresh()
+        else:
+            lw = self._level_if_may_preempt(w, key)
+            chosen = self.pre.plan_for_gpus(w, lw, node, home - free - pending) if lw is not None else None
+            if chosen is not None:
+                cl.take_exactly(node, home)
+                self._pause(w, node, chosen)
+
+    def _continue_stopped(self, w: JobView) -> None:
+        """A stopped job (SIGSTOP fallback) continues once nobody computes on its GPUs."""
+        cl = self.cl
+        if all(g in cl.lendable for g in w.assigned):
+            for g in w.assigned:
+                del cl.lendable[g]
+            self.out.append(Resume(w.id, tuple(w.assigned), "resumed on the GPUs it kept while paused"))
+            self.resumed.add(w.id)
+
+    def _level_if_may_preempt(self, w: JobView, key: tuple) -> Optional[tuple]:
+        """`w`'s preemption level, or None when nobody can be paused for it."""
+        if not self.spec.preemptive:
+            return None
+        if self.pre is None:
+            self.pre = Preemption(self.snap, self.spec, self.ctx, self.cl)
+        if self.pre.max_level is None:
+            return None
+        lw = key[:self.spec.level_prefix] if self.spec.level_prefix else self.spec.level(w, self.ctx)
+        return lw if lw < self.pre.max_level else None
+
+    def _run(self, w: JobView, node: str, gpus: tuple[int, ...], where: str) -> None:
+        cl = self.cl
+        if w.phase is Phase.PAUSED:
+            self.out.append(Resume(w.id, gpus, f"resumed {where}"))
+            if w.parked == "ram":           # no longer a candidate to spill for room
+                cl.not_spillable(node, {w.id})
+        else:
+            self.out.append(Start(w.id, gpus, f"started {where}"))
+        self.resumed.add(w.id)
+        cl.refresh()
+
+    def _pause(self, w: JobView, node: str, chosen: Chosen) -> None:
+        cl = self.cl
+        for v, plan in chosen:
+            if plan.spill:                  # v is paused once the room exists: w waits for it
+                spilled = {p.id for p in plan.spill}
+                for p in plan.spill:
+                    self.out.append(Spill(p.id, f"making room in host RAM on {node} to park job {v.id}"))
+                self.resumed |= spilled
+                cl.not_spillable(node, spilled)
+                continue
+            self.out.append(Pause(v.id, plan.tier, self.spec.why(w, v, self.ctx)))
+            if plan.tier == "ram":
+                cl.park_into_ram(node, job_bytes(v))
+        self.pre.taken(node, chosen)
+        cl.refresh()
+
+
+def _ids(gpus) -> str:
+    return ",".join(map(str, gpus))
+
+
+def _ranked(jobs: list[JobView], spec: Spec, ctx: Ctx) -> list[JobView]:
+    """Waiting jobs in policy order; only sorted when a node is over its RAM budget."""
+    return sorted(jobs, key=lambda j: spec.order(j, ctx)) if jobs else []
+
+
+def _spills(snap: Snapshot, waiting: list[JobView], resumed: set[str], cl: ClusterState) -> list[Decision]:
+    """Keep each node's RAM-parked bytes within its budget by spilling the lowest-ranked to disk."""
+    out: list[Decision] = []
+    for node in cl.nodes:
+        if node not in snap.ram_budget or cl.ram_used.get(node, 0) <= snap.ram_budget[node]:
+            continue
+        excess = cl.ram_used[node] - snap.ram_budget[node]
+        for j in reversed(waiting):
+            if excess <= 0:
+                break
+            if (j.phase == Phase.PAUSED and j.node == node and j.id not in resumed
+                    and spill_order_ok(j, snap.config)):
+                out.append(Spill(j.id, f"host-RAM park budget on {node} exceeded; moved to disk"))
+                excess -= j.parked_bytes
+    return out

@@ -1,0 +1,139 @@
+"""The policy's world: an immutable snapshot in, a list of decisions out.
+
+Everything here is plain data. The daemon builds a Snapshot from SQLite and the supervisors'
+reports; the simulator builds one from its event queue. Both hand it to `policy.decide` and carry
+out the decisions they get back, so a scheduling rule lives in exactly one place.
+All times are seconds on the caller's clock (`Snapshot.now`); the policy never reads a clock.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
+
+
+class Phase(str, enum.Enum):
+    """A live job's phase as the policy sees it (terminal jobs are not in a snapshot)."""
+
+    PENDING = "PENDING"      # never started, or requeued after a disk park with no state: waits for GPUs
+    RUNNING = "RUNNING"      # holds its GPUs and computes
+    PAUSING = "PAUSING"      # asked to park; still holds its GPUs until it reports parked
+    PAUSED = "PAUSED"        # parked (see JobView.parked); holds no GPU unless `holds_gpu_while_paused`
+    RESUMING = "RESUMING"    # given GPUs again, restoring; holds them
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    id: int                  # index unique in the snapshot (daemon: the node's GPU index)
+    node: str = "local"
+    mem_total: int = 0       # bytes
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    id: str
+    user: str
+    priority: int            # gpuswap.jobs.Priority value; higher wins
+    phase: Phase
+    gpus: int                # GPUs requested
+    mem_bytes: int           # GPU memory footprint per GPU (reported by its runtime, else declared)
+    submit_time: float
+    phase_since: float       # when the job entered its current phase
+    last_start: Optional[float] = None   # last start or resume; anchors the minimum runtime
+    attained_gpu_s: float = 0.0          # GPU-seconds of service received so far (LAS)
+    switch_s: float = 0.0                # seconds spent pausing/resuming so far (anti-thrashing)
+    run_s: float = 0.0                   # seconds spent RUNNING so far
+    assigned: tuple[int, ...] = ()       # GPU ids it holds now
+    parked: Optional[str] = None         # "ram" | "disk" | None
+    parked_bytes: int = 0
+    preemptible: bool = True             # False for --no-preempt
+    tiers: frozenset[str] = frozenset({"ram", "disk"})  # tiers this job can be parked to now
+    holds_gpu_while_paused: bool = False  # SIGSTOP fallback: paused but its memory stays on the GPU
+    node: Optional[str] = None           # node holding its parked RAM state, if any
+    weight: float = 1.0                  # the user's fair-share weight
+    remaining_s: Optional[float] = None  # known only to the simulator's srtf oracle
+    # A RAM-parked cooperative job keeps its CUDA context on the GPUs it ran on, so it can only
+    # resume there: Resume(gpus) for a job with home_gpus must name exactly these GPUs.
+    home_gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchCosts:
+    """Measured (daemon) or modelled (simulator) costs of moving a job's state."""
+
+    ram_park_bps: float = 20e9       # GPU -> pinned host RAM
+    ram_resume_bps: float = 20e9     # host RAM -> GPU
+    disk_write_bps: float = 1.0e9    # checkpoint write
+    disk_read_bps: float = 2.0e9     # checkpoint read at restart
+    ram_fixed_s: float = 0.5         # per park or resume, regardless of size (reaching a safepoint, sync)
+    disk_fixed_s: float = 10.0       # process restart + framework start-up after a disk park
+
+    def park_s(self, nbytes: int, tier: str) -> float:
+        if tier == "ram":
+            return self.ram_fixed_s + nbytes / self.ram_park_bps
+        return self.ram_fixed_s + nbytes / self.disk_write_bps
+
+    def resume_s(self, nbytes: int, tier: str) -> float:
+        if tier == "ram":
+            return self.ram_fixed_s + nbytes / self.ram_resume_bps
+        return self.disk_fixed_s + nbytes / self.disk_read_bps
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    min_runtime_s: float = 60.0          # no preemption within this long after a start/resume
+    max_switch_fraction: float = 0.2     # cap on switch time / lifetime before a job is protected
+    fair_share_half_life_s: float = 7 * 24 * 3600.0
+    las_thresholds_gpu_s: tuple[float, ...] = (3600.0, 36000.0)
+    las_starvation_factor: float = 2.0   # Tiresias' STARVELIMIT: promote after waiting this x service
+    gandiva_quantum_s: float = 600.0
+    allow_disk: bool = True
+    # Added with the policy core (issue 4); defaults keep older callers valid.
+    switch_benefit_factor: float = 2.0   # gpuswap: switch within a class only if benefit >= this x cost
+    # gpuswap's LAS bands: attained GPU-seconds doubling from 15 GPU-minutes to 256 GPU-hours. Finer
+    # than Tiresias' 2-3 queues because a park costs seconds, not a checkpoint-restart (policies.md).
+    gpuswap_bands_gpu_s: tuple[float, ...] = tuple(900.0 * 2**k for k in range(11))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: float
+    gpus: tuple[GpuView, ...]
+    jobs: tuple[JobView, ...]        # live jobs only, any order
+    costs: SwitchCosts = field(default_factory=SwitchCosts)
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    ram_budget: Mapping[str, int] = field(default_factory=dict)   # node -> bytes allowed parked in RAM
+    usage: Mapping[str, float] = field(default_factory=dict)      # user -> decayed GPU-seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    job_id: str
+    gpus: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    job_id: str
+    tier: str                        # "ram" | "disk"
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    job_id: str
+    gpus: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Move an already RAM-parked job to disk (to make room in the host-RAM budget)."""
+
+    job_id: str
+    reason: str = ""
+
+
+Decision = Union[Start, Pause, Resume, Spill]

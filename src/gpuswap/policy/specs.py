@@ -1,0 +1,235 @@
+"""The policies, each as a few small rules plugged into the one engine in `engine.py`.
+
+A policy says (1) in which order waiting jobs are served, (2) its preemption level -- a waiting
+job may pause a running one only if its level is strictly lower, (3) which eligible victim goes
+first, and (4) optional extra gates (switch-fraction cap, benefit-versus-cost). Placement, the
+minimum runtime, in-flight pauses, tiers and RAM budgets are handled once, in the engine.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable, Hashable, Mapping, Optional
+
+from gpuswap.jobs import Priority
+from gpuswap.policy.fairshare import share_key
+from gpuswap.policy.model import JobView, Phase, PolicyConfig, SwitchCosts
+
+Key = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    """What the rules may look at besides the job itself (all from the snapshot)."""
+
+    now: float
+    config: PolicyConfig
+    costs: SwitchCosts
+    usage: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    preemptive: bool
+    order: Callable[[JobView, Ctx], Key]                 # lower is served first
+    level: Callable[[JobView, Ctx], Key]                 # w may pause v only if level(w) < level(v)
+    victim: Callable[[JobView, Ctx, float], Key]         # lower is paused first (float: switch cost s)
+    why: Callable[[JobView, JobView, Ctx], str]          # reason shown on the victim's event
+    switch_cap: bool = False                             # honour config.max_switch_fraction
+    benefit_ok: Optional[Callable[[JobView, JobView, Ctx, float], bool]] = None
+    # How benefit_ok depends on the waiting job: (group, rank), where within a group a job of higher
+    # rank never gains more from a switch than one of lower rank. A round that found no plan for a
+    # job finds none for a later one (level at least as high) of the same group and GPUs with a
+    # rank at least as high, and does not look again: the simulator's queues are long.
+    benefit_rank: Callable[[JobView, Ctx], tuple[Hashable, float]] = lambda w, c: ((), 0.0)
+    sim_only: bool = False
+    level_prefix: int = 0     # when > 0, a waiting job's level is order(...)[:level_prefix] (saves a call)
+
+
+def label(priority: int) -> str:
+    try:
+        return Priority(priority).label
+    except ValueError:
+        return f"priority {priority}"
+
+
+_WAITING = frozenset({Phase.PENDING, Phase.PAUSED})
+
+
+def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = None) -> int:
+    """Tiresias' discretized 2D-LAS queue: 0 below the first threshold of attained GPU-seconds, etc.
+
+    `thresholds` defaults to the `las` policy's (`config.las_thresholds_gpu_s`); gpuswap passes its
+    own finer bands. Starvation (Tiresias' STARVELIMIT): a waiting job that has waited
+    `las_starvation_factor` x its executed time is promoted to queue 0. Executed time is the job's
+    cumulative run time (as in the Tiresias simulator), so a long job's promotion wait grows with it
+    and promotion cannot ping-pong.
+    """
+    q = bisect_right(ctx.config.las_thresholds_gpu_s if thresholds is None else thresholds,
+                     job.attained_gpu_s)       # 0 below the first threshold (or with none)
+    return 0 if q and starving(job, ctx) else q
+
+
+def starving(job: JobView, ctx: Ctx) -> bool:
+    """Tiresias' STARVELIMIT: waited `las_starvation_factor` x its cumulative run time."""
+    return (job.phase in _WAITING and job.run_s > 0
+            and ctx.now - job.phase_since >= ctx.config.las_starvation_factor * job.run_s)
+
+
+def _since_start(job: JobView) -> float:
+    return job.last_start if job.last_start is not None else job.phase_since
+
+
+# fifo -------------------------------------------------------------------------------------------
+def _fifo_order(j: JobView, c: Ctx) -> Key:
+    return (j.submit_time, j.id)
+
+
+# priority ---------------------------------------------------------------------------------------
+def _prio_order(j: JobView, c: Ctx) -> Key:
+    return (-j.priority, j.submit_time, j.id)
+
+
+def _prio_level(j: JobView, c: Ctx) -> Key:
+    return (-j.priority,)
+
+
+def _prio_victim(v: JobView, c: Ctx, cost: float) -> Key:
+    return (v.priority, -_since_start(v), v.id)      # lowest class, then the most recently started
+
+
+def _prio_why(w: JobView, v: JobView, c: Ctx) -> str:
+    return f"preempted by job {w.id} ({label(w.priority)})"
+
+
+# las (Tiresias 2D-LAS, discretized) -------------------------------------------------------------
+def _las_order(j: JobView, c: Ctx) -> Key:
+    return (las_queue(j, c), j.submit_time, j.id)
+
+
+def _las_level(j: JobView, c: Ctx) -> Key:
+    return (las_queue(j, c),)
+
+
+def _las_victim(v: JobView, c: Ctx, cost: float) -> Key:
+    return (-las_queue(v, c), -v.submit_time, v.id)  # lowest queue, then the latest arrival
+
+
+def _las_why(w: JobView, v: JobView, c: Ctx) -> str:
+    return (f"preempted by job {w.id} (less attained service: LAS queue {las_queue(w, c)} "
+            f"< {las_queue(v, c)})")
+
+
+# gandiva (round-robin time slicing) -------------------------------------------------------------
+def _gandiva_order(j: JobView, c: Ctx) -> Key:
+    return (j.phase_since, j.submit_time, j.id)      # longest waiting first: round robin
+
+
+def _gandiva_level(j: JobView, c: Ctx) -> Key:
+    if j.phase in (Phase.PENDING, Phase.PAUSED):
+        return (1,)
+    expired = c.now - _since_start(j) >= c.config.gandiva_quantum_s
+    return (2,) if expired else (0,)
+
+
+def _gandiva_victim(v: JobView, c: Ctx, cost: float) -> Key:
+    return (_since_start(v), v.id)                  # the slice that began first ends first
+
+
+def _gandiva_why(w: JobView, v: JobView, c: Ctx) -> str:
+    return f"time slice of {c.config.gandiva_quantum_s:.0f}s over; job {w.id} is waiting"
+
+
+# srtf-oracle ------------------------------------------------------------------------------------
+def _remaining(j: JobView) -> float:
+    if j.remaining_s is None:
+        raise ValueError(f"policy 'srtf-oracle' needs remaining_s for every job (job {j.id} has none); "
+                         "it is a simulator-only lower bound")
+    return j.remaining_s
+
+
+def _srtf_order(j: JobView, c: Ctx) -> Key:
+    return (_remaining(j), j.submit_time, j.id)
+
+
+def _srtf_level(j: JobView, c: Ctx) -> Key:
+    return (_remaining(j),)
+
+
+def _srtf_victim(v: JobView, c: Ctx, cost: float) -> Key:
+    return (-_remaining(v), v.id)
+
+
+def _srtf_why(w: JobView, v: JobView, c: Ctx) -> str:
+    return f"preempted by job {w.id} (shorter remaining time)"
+
+
+# gpuswap ----------------------------------------------------------------------------------------
+def gs_band(j: JobView, c: Ctx) -> int:
+    """gpuswap's LAS band: `las_queue` over its own finer thresholds (config.gpuswap_bands_gpu_s)."""
+    return las_queue(j, c, c.config.gpuswap_bands_gpu_s)
+
+
+def _gs_order(j: JobView, c: Ctx) -> Key:
+    """Class, then LAS band, then the least-served user (decayed usage / weight), then attained service.
+
+    The order starts with the preemption level on purpose: if a user's share could put a job ahead
+    of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
+    jobs that ordering caused ~290k preemptions).
+    """
+    return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s),   # gs_band, one call less: hot
+            share_key(c.usage, j.user, j.weight), j.attained_gpu_s, j.submit_time, j.id)
+
+
+def _gs_level(j: JobView, c: Ctx) -> Key:
+    return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s))   # gs_band, one call less: hot
+
+
+def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
+    """The job the order ranks last goes first: lowest class, highest band; then the cheapest to
+    park, the user most over their share, and the longest since its last switch (a job that has
+    just been resumed is the most expensive to move again)."""
+    return (v.priority, -gs_band(v, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
+            _since_start(v), v.id)
+
+
+def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
+    """A higher class or a starving job (promoted to band 0) always may preempt; within a class
+    otherwise only when the expected gain beats the cost.
+
+    LAS's heavy-tail predictor -- a job that has received s GPU-seconds will need about s more --
+    measured in the same GPU-seconds the bands use: gain = v's attained - w's attained, against the
+    GPU-seconds the round trip costs v. (Wall-clock run time here disagreed with the GPU-second
+    bands for multi-GPU jobs: the band let a job preempt, the gate refused, and the freed GPUs went
+    to it anyway through the order -- twice the switches.)
+    """
+    if w.priority > v.priority or starving(w, c):
+        return True                 # a promise, like a class: promotion must be able to run the job
+    gain = v.attained_gpu_s - w.attained_gpu_s
+    return gain >= c.config.switch_benefit_factor * cost * max(v.gpus, 1)
+
+
+def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
+    return w.priority, (float("-inf") if starving(w, c) else w.attained_gpu_s)
+
+
+def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
+    if w.priority > v.priority:
+        return f"preempted by job {w.id} ({label(w.priority)})"
+    return (f"preempted by job {w.id} (same class, less attained service: band "
+            f"{gs_band(w, c)} < {gs_band(v, c)})")
+
+
+SPECS: dict[str, Spec] = {
+    "fifo": Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why),
+    "priority": Spec("priority", True, _prio_order, _prio_level, _prio_victim, _prio_why,
+                     level_prefix=1),
+    "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1),
+    "gandiva": Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why),
+    "srtf-oracle": Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
+                        sim_only=True, level_prefix=1),
+    "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
+                    benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
+                    level_prefix=2),
+}

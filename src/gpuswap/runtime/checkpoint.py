@@ -1,0 +1,217 @@
+"""Atomic, checksummed checkpoints in `$GPUSWAP_CKPT_DIR`.
+
+Layout (see docs/runtime.md)::
+
+    ckpt-000007.pt     payload: torch.save of a dict (format, step, objects, user_state, rng)
+    ckpt-000007.json   manifest: sha256 and size of the payload; its presence commits the checkpoint
+    .tmp-*             a write in progress (or one killed mid-way); ignored, removed by the next write
+
+A checkpoint is written as: payload to a temp file in the same directory (sha256 computed while
+streaming), fsync, rename; manifest the same way; fsync the directory. A crash at any point leaves
+the previous complete checkpoint untouched, and readers only trust a payload whose manifest exists
+and whose bytes hash to the manifest's sha256. The two newest complete checkpoints are kept so a
+newest one that later turns out corrupt falls back to the previous one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+FORMAT = "gpuswap-ckpt/1"
+KEEP = 2
+_MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be read or verified."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint, as described by its manifest."""
+
+    seq: int
+    step: int
+    payload: str  # file name, relative to the checkpoint directory
+    bytes: int
+    sha256: str
+    created_unix: float
+    job_id: str | None = None
+    host: str | None = None
+    format: str = FORMAT
+
+    def manifest_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _HashingWriter:
+    """File-like sink for torch.save that hashes and counts bytes as they stream to disk."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self._f.write(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomic(directory: Path, name: str, write) -> tuple[int, str]:
+    """Write via `write(file_like)` to a temp file, fsync, rename to `name`. Returns (size, sha256)."""
+    tmp = directory / f".tmp-{name}.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            sink = _HashingWriter(f)
+            write(sink)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sink.size, sink.sha.hexdigest()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """Committed checkpoints (those with a readable manifest), newest first. Unverified."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found: list[CheckpointInfo] = []
+    for entry in d.iterdir():
+        if not _MANIFEST.match(entry.name):
+            continue
+        try:
+            raw = json.loads(entry.read_text())
+            known = {k: raw[k] for k in CheckpointInfo.__dataclass_fields__ if k in raw}
+            info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
+        except (OSError, ValueError, TypeError) as exc:
+            _warn(f"ignoring unreadable checkpoint manifest {entry}: {exc}")
+            continue
+        found.append(info)
+    found.sort(key=lambda i: i.seq, reverse=True)
+    return found
+
+
+def _next_seq(d: Path) -> int:
+    seqs = [int(m.group(1)) for e in d.iterdir() if (m := re.match(r"^ckpt-(\d+)\.", e.name))]
+    return max(seqs, default=0) + 1
+
+
+def write_checkpoint(
+    directory: str | os.PathLike, payload: dict[str, Any], step: int, job_id: str | None = None
+) -> CheckpointInfo:
+    """Durably write `payload` (torch.save-able) as a new checkpoint; prune all but the newest KEEP."""
+    import torch
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(d)
+    seq = _next_seq(d)
+    stem = f"ckpt-{seq:06d}"
+    size, digest = _write_file_atomic(d, stem + ".pt", lambda f: torch.save(payload, f))
+    info = CheckpointInfo(
+        seq=seq, step=int(step), payload=stem + ".pt", bytes=size, sha256=digest,
+        created_unix=time.time(), job_id=job_id, host=socket.gethostname(),
+    )
+    text = json.dumps(info.manifest_dict(), indent=1).encode()
+    _write_file_atomic(d, stem + ".json", lambda f: f.write(text))
+    _fsync_dir(d)
+    _prune(d, keep=KEEP)
+    return info
+
+
+def _remove_stale_temps(d: Path) -> None:
+    for e in d.iterdir():
+        if e.name.startswith(".tmp-"):
+            e.unlink(missing_ok=True)
+
+
+def _prune(d: Path, keep: int) -> None:
+    """Delete committed checkpoints older than the newest `keep`, and payloads without manifest."""
+    infos = list_checkpoints(d)
+    live = {i.payload for i in infos[:keep]} | {f"ckpt-{i.seq:06d}.json" for i in infos[:keep]}
+    newest = infos[0].seq if infos else 0
+    # Manifests first: a crash mid-prune must never leave a manifest pointing at a deleted payload.
+    for e in sorted(d.iterdir(), key=lambda e: not e.name.endswith(".json")):
+        m = re.match(r"^ckpt-(\d+)\.(pt|json)$", e.name)
+        if m and e.name not in live and int(m.group(1)) <= newest:
+            e.unlink(missing_ok=True)
+
+
+def verify(directory: str | os.PathLike, info: CheckpointInfo) -> Path:
+    """Check the payload's size and sha256 against the manifest; return its path."""
+    path = Path(directory) / info.payload
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise CheckpointError(f"payload {path} missing: {exc}") from None
+    if size != info.bytes:
+        raise CheckpointError(f"payload {path} has {size} bytes, manifest says {info.bytes}")
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    if sha.hexdigest() != info.sha256:
+        raise CheckpointError(f"payload {path} fails its sha256 check")
+    return path
+
+
+def load_checkpoint(directory: str | os.PathLike, info: CheckpointInfo) -> dict[str, Any]:
+    """Verify and load one checkpoint's payload (tensors on CPU)."""
+    import torch
+
+    path = verify(directory, info)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a verified file should load; be defensive anyway
+        raise CheckpointError(f"payload {path} does not load: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"payload {path} is not a {FORMAT} payload")
+    return payload
+
+
+def load_latest(directory: str | os.PathLike) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, falling back (with a warning) past corrupt ones.
+
+    None when the directory holds no checkpoint at all. When checkpoints exist but none verifies,
+    warns and returns None: the job then starts from scratch rather than not at all.
+    """
+    infos = list_checkpoints(directory)
+    for n, info in enumerate(infos):
+        try:
+            payload = load_checkpoint(directory, info)
+        except CheckpointError as exc:
+            nxt = f"falling back to ckpt seq {infos[n + 1].seq}" if n + 1 < len(infos) else (
+                "no older checkpoint left; starting from scratch")
+            _warn(f"checkpoint seq {info.seq} (step {info.step}) is unusable: {exc}; {nxt}")
+            continue
+        return info, payload
+    return None
+
+
+def _warn(text: str) -> None:
+    print(f"gpuswap: {text}", file=sys.stderr, flush=True)

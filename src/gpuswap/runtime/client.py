@@ -1,0 +1,164 @@
+"""The job's end of the control channel: a reader thread and a usage heartbeat.
+
+The reader turns `pause`/`resume` into calls on the job (which only set flags and an event);
+the hot path never touches the socket. If the supervisor's socket is absent or drops, training
+goes on: one line goes to stderr and the reader keeps reconnecting in the background, saying
+`hello` again each time it gets through.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import threading
+from typing import Any, Callable
+
+from gpuswap.runtime import channel
+
+USAGE_INTERVAL_S = 2.0
+RECONNECT_MIN_S = 0.2
+RECONNECT_MAX_S = 5.0
+SEND_TIMEOUT_S = 5.0
+
+
+class ControlClient:
+    """Connects to `$GPUSWAP_CONTROL`; `send` is thread-safe and never raises."""
+
+    def __init__(
+        self,
+        address: str,
+        on_message: Callable[[dict[str, Any]], None],
+        hello: Callable[[], dict[str, Any]],
+        usage: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._address = channel.socket_address(address)
+        self._label = address
+        self._on_message = on_message
+        self._hello = hello
+        self._usage = usage
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._connected = threading.Event()
+        self._tried = threading.Event()  # the first connection attempt is over, either way
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, wait_s: float = 2.0) -> bool:
+        """Start the threads; wait (at most `wait_s`) for the first connection attempt, so that
+        `hello` precedes the first step when a supervisor is there. True if connected."""
+        for target, name in ((self._read_loop, "gpuswap-control"), (self._usage_loop, "gpuswap-usage")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._tried.wait(wait_s)
+        return self._connected.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            sock, self._sock = self._sock, None
+            self._connected.clear()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Send one message if connected. A failed send drops the connection (the reader
+        reconnects); the caller goes on either way."""
+        data = channel.encode(msg)
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return False
+            try:
+                sock.sendall(data)
+                return True
+            except OSError:
+                self._drop_locked(sock)
+                return False
+
+    def _drop_locked(self, sock: socket.socket) -> None:
+        if self._sock is sock:
+            self._sock = None
+            self._connected.clear()
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- threads ---------------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sec = int(SEND_TIMEOUT_S)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, 0))
+            sock.connect(self._address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _read_loop(self) -> None:
+        delay = RECONNECT_MIN_S
+        complained = False
+        while not self._closed.is_set():
+            try:
+                sock = self._connect()
+            except OSError as exc:
+                if not complained:
+                    _log(f"control socket {self._label} unavailable ({exc.strerror or exc}); "
+                         "training continues, retrying in the background")
+                    complained = True
+                self._tried.set()
+                self._closed.wait(delay)
+                delay = min(delay * 2, RECONNECT_MAX_S)
+                continue
+            delay = RECONNECT_MIN_S
+            if complained:
+                _log(f"control socket {self._label} connected")
+                complained = False
+            with self._lock:
+                self._sock = sock
+                try:
+                    sock.sendall(channel.encode(self._hello()))
+                    self._connected.set()
+                except OSError:
+                    self._drop_locked(sock)
+            self._tried.set()
+            try:
+                for msg in channel.read_messages(sock):
+                    self._on_message(msg)
+            except OSError:
+                pass
+            with self._lock:
+                self._drop_locked(sock)
+            sock.close()
+            if not self._closed.is_set():
+                _log(f"control socket {self._label} closed; training continues, reconnecting")
+                complained = True
+
+    def _usage_loop(self) -> None:
+        while not self._closed.wait(USAGE_INTERVAL_S):
+            if self._connected.is_set():
+                try:
+                    msg = self._usage()
+                except Exception:  # racing the training thread (e.g. optimizer state growing)
+                    continue
+                self.send(msg)
+
+
+def _log(text: str) -> None:
+    try:
+        print(f"gpuswap[{os.getpid()}]: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass

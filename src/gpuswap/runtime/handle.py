@@ -1,0 +1,293 @@
+"""`attach()` and the handle a training loop calls `safepoint(step)` on.
+
+The hot path is two attribute operations: record the step, test one flag the control thread
+sets. Everything else (parking, checkpointing, waiting for resume) runs in the training thread
+inside `safepoint`, so tensors are only touched between steps, never concurrently with them.
+
+Pause state machine (guarded by one condition variable; the reader thread only flips flags):
+
+    running --pause(ram|disk)--> [next safepoint] parking --ram--> parked --resume--> running
+                                                         +--disk--> checkpoint, exit 75
+    parked --pause(disk)--> spill: checkpoint from the host copies, exit 75
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from gpuswap.jobs import REQUEUE_EXIT_CODE
+from gpuswap.runtime import channel
+from gpuswap.runtime.objects import Attached, classify, is_plain, iter_tensors
+
+EXIT_WATCHDOG_S = 30.0
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the supervisor tells the job through its environment."""
+
+    job_id: str | None
+    control: str | None
+    ckpt_dir: str | None
+    simulated: bool
+    slurm: bool = False  # standalone under Slurm: signals -> disk pause, then requeue
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "RuntimeConfig":
+        return cls(
+            job_id=env.get(channel.ENV_JOB_ID) or None,
+            control=env.get(channel.ENV_CONTROL) or None,
+            ckpt_dir=env.get(channel.ENV_CKPT_DIR) or None,
+            simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
+        )
+
+
+class NullJob:
+    """The handle outside gpuswap: nothing is parked, nothing is restored. Plain values given to
+    `attach` are in `state` under their names, as inside gpuswap before any checkpoint."""
+
+    __slots__ = ("step", "state")
+    start_step = 0
+    parked = False
+    inside = False
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        self.step: int | None = None
+        self.state: dict[str, Any] = dict(state or {})
+
+    def safepoint(self, step: int) -> None:
+        self.step = step
+
+    def close(self) -> None:
+        pass
+
+
+class Job:
+    """The handle inside gpuswap. Construct through `attach`."""
+
+    __slots__ = (
+        "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
+        "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
+    )
+    inside = True
+
+    def __init__(self, items: list[Attached], config: RuntimeConfig) -> None:
+        self.step: int | None = None
+        self.state: dict[str, Any] = {}
+        self.start_step = 0
+        self.restored_step: int | None = None
+        self.restored_bytes = 0                  # checkpoint bytes restored at attach, and how long
+        self.restore_s: float | None = None      # it took: the daemon's disk-read bandwidth sample
+        self.config = config
+        self._items = items
+        self._pending = False  # the one flag safepoint reads
+        self._cond = threading.Condition()
+        self._phase = "running"  # running | parking | parked
+        self._tier_req: str | None = None
+        self._resume_req = False
+        self._client: Any = None
+        self._last_bytes = 0
+        self._max_bytes: int | None = None  # cap on a RAM park's bytes (the daemon's RAM budget)
+
+    # -- hot path --------------------------------------------------------------------------
+    def safepoint(self, step: int) -> None:
+        """Call after each completed step. Returns at once unless a pause was asked for."""
+        self.step = step
+        if self._pending:
+            self._serve()
+
+    @property
+    def parked(self) -> bool:
+        return self._phase == "parked"
+
+    # -- requests (any thread) -------------------------------------------------------------
+    def request_pause(self, tier: str = "ram", max_bytes: int | None = None) -> None:
+        """Ask for a pause at the next safepoint (what a supervisor `pause` message does).
+        `max_bytes`: a RAM park larger than this goes to disk instead (the host-RAM budget)."""
+        if tier not in ("ram", "disk"):
+            self._send({"op": "error", "message": f"unknown pause tier {tier!r}"})
+            return
+        with self._cond:
+            if tier == "ram" and (self._phase != "running" or self._tier_req is not None):
+                return  # already pausing or paused: a second ram pause changes nothing
+            self._tier_req = tier
+            self._max_bytes = max_bytes if tier == "ram" else None
+            if self._phase == "running":
+                self._pending = True
+            self._cond.notify_all()
+
+    def request_resume(self) -> None:
+        """Resume a parked job; cancels a pause that has not reached a safepoint yet."""
+        with self._cond:
+            if self._phase == "running":
+                if self._tier_req is None:
+                    return
+                self._tier_req, self._pending = None, False
+                cancelled = True
+            else:
+                self._resume_req = True
+                self._cond.notify_all()
+                cancelled = False
+        if cancelled:
+            self._send({"op": "resumed", "bytes": 0, "seconds": 0.0})
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        if msg["op"] == "pause":
+            cap = msg.get("max_bytes")
+            self.request_pause(str(msg.get("tier", "ram")), int(cap) if isinstance(cap, int) else None)
+        elif msg["op"] == "resume":
+            self.request_resume()
+
+    # -- the slow path (training thread) ---------------------------------------------------
+    def _serve(self) -> None:
+        from gpuswap.runtime import pausing
+
+        with self._cond:
+            tier, self._tier_req = self._tier_req, None
+            self._pending = False
+            self._resume_req = False
+            if tier is None:
+                return
+            self._phase = "parking"
+        try:
+            pausing.serve(self, tier)
+        finally:
+            with self._cond:
+                if self._phase != "running":  # a failed park: drop what came in meanwhile
+                    self._phase = "running"
+                    self._tier_req, self._resume_req = None, False
+                self._pending = self._tier_req is not None
+
+    def _mark_running(self) -> None:
+        """Resumed: from now on a new pause request is served at the next safepoint."""
+        with self._cond:
+            self._phase = "running"
+
+    def _mark_parked(self) -> None:
+        with self._cond:
+            self._phase = "parked"
+
+    def _wait_request(self) -> str:
+        """Block while parked until 'resume' or 'disk' is asked for."""
+        with self._cond:
+            self._phase = "parked"
+            while not self._resume_req and self._tier_req != "disk":
+                self._cond.wait()
+            if self._tier_req == "disk":
+                self._tier_req = None
+                return "disk"
+            self._resume_req = False
+            return "resume"
+
+    # -- channel ---------------------------------------------------------------------------
+    def _send(self, msg: dict[str, Any]) -> bool:
+        client = self._client
+        return client.send(msg) if client is not None else False
+
+    def device_bytes(self) -> int:
+        """Device memory held by the attached tensors (0 while parked)."""
+        from gpuswap.runtime.parking import device_bytes
+
+        for _ in range(3):
+            try:
+                self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
+                break
+            except RuntimeError:  # a dict changed size under us; the training thread is busy
+                continue
+        return self._last_bytes
+
+    def _hello(self) -> dict[str, Any]:
+        return {"op": "hello", "pid": os.getpid(), "device_bytes": self.device_bytes(),
+                "restored_step": self.restored_step, "restored_bytes": self.restored_bytes,
+                "restore_s": self.restore_s, "job_id": self.config.job_id, "parked": self.parked}
+
+    def _usage(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "usage", "device_bytes": self.device_bytes(), "step": self.step,
+                               "parked": self.parked}
+        torch = sys.modules.get("torch")
+        if torch is not None and not self.config.simulated and torch.cuda.is_available() \
+                and torch.cuda.is_initialized():
+            msg["reserved_bytes"] = sum(
+                torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+        return msg
+
+    def close(self) -> None:
+        """Stop the control threads (done at exit anyway; they are daemon threads)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def exit_requeue(self) -> None:
+        """Leave with REQUEUE_EXIT_CODE. SystemExit unwinds the job normally; a watchdog makes
+        sure a stray non-daemon thread cannot keep the process alive."""
+        self.close()
+        if self.config.slurm:
+            from gpuswap.runtime import slurm
+
+            slurm.requeue(self.config)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+        def _watchdog() -> None:
+            time.sleep(EXIT_WATCHDOG_S)
+            os._exit(REQUEUE_EXIT_CODE)
+
+        threading.Thread(target=_watchdog, name="gpuswap-exit", daemon=True).start()
+        raise SystemExit(REQUEUE_EXIT_CODE)
+
+
+_active: Job | None = None
+
+
+def attach(*args: Any, **objects: Any) -> Job | NullJob:
+    """Attach training state; returns the handle with `start_step`, `safepoint`, `state`.
+
+    Outside gpuswap (no `$GPUSWAP_JOB_ID`) this is a no-op handle and torch is not imported.
+    Inside, a checkpoint in `$GPUSWAP_CKPT_DIR` is restored into the objects in place first.
+    Positional objects are checkpointed as arg0, arg1, ...; keyword names must stay stable
+    across restarts.
+
+    Plain immutable values (`epoch=3`) cannot be restored in place: they go into `job.state`
+    under their name, and `job.state[name]` is the value to use (the restored one after a
+    checkpoint, else the one given). What can be neither restored nor kept raises the same
+    TypeError inside and outside gpuswap, so a script never behaves differently under the daemon.
+    """
+    named = {f"arg{i}": obj for i, obj in enumerate(args)}
+    named.update(objects)
+    plain = {name: obj for name, obj in named.items() if is_plain(obj)}
+    items = [classify(name, obj) for name, obj in named.items() if name not in plain]
+    config = RuntimeConfig.from_env()
+    if config.job_id is None:
+        from gpuswap.runtime import slurm
+
+        config = slurm.config_from_env()  # a Slurm job runs the runtime standalone
+        if config is None:
+            return NullJob(plain)
+    global _active
+    job = Job(items, config)
+    if config.ckpt_dir:
+        from gpuswap.runtime import pausing
+
+        pausing.restore_latest(job)
+    for name, value in plain.items():
+        job.state.setdefault(name, value)   # a restored value wins over the one given
+    if _active is not None:
+        _active.close()
+    _active = job
+    if config.control:
+        from gpuswap.runtime.client import ControlClient
+
+        job._client = ControlClient(config.control, job._on_message, job._hello, job._usage)
+        job._client.start()
+    if config.slurm:
+        from gpuswap.runtime import slurm
+
+        slurm.install(job)
+    return job

@@ -1,0 +1,148 @@
+"""What happens inside `safepoint` once a pause is asked for, and the restore at `attach`.
+
+Both tiers start the same way: copy device state to host, snapshot everything a checkpoint
+needs (as views of the host copies, so no second copy), free the device memory. A ram pause
+then waits for resume; a disk pause writes the snapshot and exits with REQUEUE_EXIT_CODE, and
+so does a disk pause that arrives while parked in ram (a spill). A failure anywhere is reported
+as an `error` message and the job runs on (or, mid-spill, stays parked in ram).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from gpuswap.runtime import checkpoint, objects, parking, rng
+
+if TYPE_CHECKING:
+    from gpuswap.runtime.handle import Job
+
+
+def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
+    """The checkpoint payload; parked tensors become views of their host copies."""
+
+    def to_host(t: Any) -> Any:
+        view = park.host_view(t) if park is not None else None
+        return view if view is not None else t.detach().cpu()
+
+    return {
+        "format": checkpoint.FORMAT,
+        "step": job.step,
+        "objects": objects.capture(job._items, to_host),
+        "user_state": objects.map_tensors(job.state, to_host),
+        "rng": rng.capture(),
+        "job_id": job.config.job_id,
+    }
+
+
+def _error(job: "Job", what: str, exc: BaseException) -> None:
+    text = f"{what} failed: {type(exc).__name__}: {exc}"
+    print(f"gpuswap: {text}", file=sys.stderr, flush=True)
+    job._send({"op": "error", "message": text})
+
+
+def _park(job: "Job", want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
+    park = parking.copy_to_host(objects.iter_tensors(job._items), job.config.simulated)
+    try:
+        payload = snapshot(job, park) if want_payload else None
+        parking.release(park, job.config.simulated)
+    except BaseException:
+        parking.drop_host(park)
+        raise
+    return park, payload
+
+
+def _spill(job: "Job", payload: dict[str, Any]) -> Exception:
+    """Write the checkpoint and exit 75; returns (the error) only if writing failed."""
+    t0 = time.perf_counter()
+    try:
+        info = checkpoint.write_checkpoint(job.config.ckpt_dir, payload, job.step, job.config.job_id)
+    except Exception as exc:
+        return exc
+    job._send({"op": "checkpointed", "path": os.path.join(job.config.ckpt_dir, info.payload),
+               "bytes": info.bytes, "seconds": round(time.perf_counter() - t0, 6),
+               "step": job.step})
+    job.exit_requeue()
+    raise AssertionError("unreachable")
+
+
+def serve(job: "Job", tier: str) -> None:
+    """Handle one pause request at the current safepoint.
+
+    Every report goes out after the state it announces is in effect, so a supervisor reacting
+    to it at once (e.g. a new pause right after an `error`) is never ignored.
+    """
+    if tier == "disk" and not job.config.ckpt_dir:
+        job._mark_running()
+        _error(job, "disk pause", RuntimeError("no $GPUSWAP_CKPT_DIR for this job"))
+        return
+    cap, job._max_bytes = job._max_bytes, None
+    if tier == "ram" and cap is not None and job.device_bytes() > cap:
+        if not job.config.ckpt_dir:
+            job._mark_running()
+            _error(job, "park to ram", RuntimeError(f"{job.device_bytes()} bytes exceed the RAM budget's {cap}"))
+            return
+        print(f"gpuswap: {job.device_bytes()} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
+              file=sys.stderr, flush=True)
+        tier = "disk"
+    t0 = time.perf_counter()
+    try:
+        park, payload = _park(job, want_payload=bool(job.config.ckpt_dir))
+    except Exception as exc:
+        job._mark_running()
+        _error(job, f"park to {tier}", exc)
+        return
+    if tier == "disk":
+        exc = _spill(job, payload)  # exits on success
+        if _unpark_or_report(job, park):  # the checkpoint failed: run on from the host copies
+            job._mark_running()
+            _error(job, "disk checkpoint", exc)
+            return
+        _error(job, "disk checkpoint", exc)
+        # not even the device memory came back: stay parked in ram until told otherwise
+    job._mark_parked()
+    job._send({"op": "paused", "tier": "ram", "bytes": park.nbytes,
+               "seconds": round(time.perf_counter() - t0, 6), "step": job.step})
+    while True:
+        if job._wait_request() == "disk":
+            _error(job, "disk checkpoint", _spill(job, payload))  # on failure stay parked
+            continue
+        t1 = time.perf_counter()
+        if _unpark_or_report(job, park):
+            job._mark_running()
+            job._send({"op": "resumed", "bytes": park.nbytes,
+                       "seconds": round(time.perf_counter() - t1, 6)})
+            return
+
+
+def _unpark_or_report(job: "Job", park: parking.RamPark) -> bool:
+    try:
+        parking.restore(park, job.config.simulated)
+    except Exception as exc:
+        _error(job, "resume from ram", exc)
+        return False
+    parking.drop_host(park)
+    return True
+
+
+def restore_latest(job: "Job") -> None:
+    """At attach: restore the newest good checkpoint in place, if there is one. The time it took
+    (read, verify, load, copy into the objects) goes to the daemon with `hello`: it is what a
+    disk-tier resume costs, the sample the daemon's disk-read bandwidth is learned from."""
+    t0 = time.perf_counter()
+    found = checkpoint.load_latest(job.config.ckpt_dir)
+    if found is None:
+        return
+    info, payload = found
+    warnings = objects.restore(job._items, payload["objects"])
+    job.state.clear()
+    job.state.update(payload.get("user_state") or {})
+    warnings += rng.restore(payload["rng"])
+    job.restored_step = int(payload["step"]) if payload.get("step") is not None else None
+    job.start_step = job.restored_step + 1 if job.restored_step is not None else 0
+    job.restored_bytes, job.restore_s = info.bytes, round(time.perf_counter() - t0, 6)
+    for w in warnings:
+        print(f"gpuswap: {w}", file=sys.stderr, flush=True)
+    print(f"gpuswap: restored checkpoint seq {info.seq} (step {info.step}); "
+          f"resuming at step {job.start_step}", file=sys.stderr, flush=True)

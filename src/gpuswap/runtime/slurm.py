@@ -1,0 +1,202 @@
+"""Slurm-aware preemption for the in-job runtime (no gpuswap daemon needed).
+
+Under Slurm (`$SLURM_JOB_ID` set, `$GPUSWAP_JOB_ID` not) `attach` turns the runtime on by
+itself: checkpoints go to `$GPUSWAP_CKPT_DIR`, else `$SLURM_SUBMIT_DIR/.gpuswap/ckpt/$SLURM_JOB_ID`
+(the job id is stable across requeues, so a restarted job finds its own checkpoints).
+
+Slurm's preemption signals (default USR2 and TERM; `$GPUSWAP_SLURM_SIGNALS`) become a disk pause
+at the next safepoint. The signal handler does no I/O and takes no lock: it writes one byte to a
+pipe, and a helper thread turns that into `request_pause("disk")` (Lightning issue #21406 shows
+what writing a checkpoint inside a handler does). USR1 is left alone by default: NCCL uses it.
+
+After the checkpoint is durable the job requeues itself with `scontrol requeue $SLURM_JOB_ID`
+(`$GPUSWAP_SLURM_REQUEUE=scontrol`, the default) and exits with REQUEUE_EXIT_CODE (75); with
+`$GPUSWAP_SLURM_REQUEUE=exit` it only exits 75 and leaves the requeue to Slurm
+(`RequeueExit=75`, or PreemptMode=REQUEUE finishing the preemption).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from gpuswap.runtime.handle import Job, RuntimeConfig
+
+ENV_ENABLE = "GPUSWAP_SLURM"             # "0" keeps the runtime off under Slurm
+ENV_SIGNALS = "GPUSWAP_SLURM_SIGNALS"    # e.g. "USR2,TERM" (default), "USR1", "none"
+ENV_REQUEUE = "GPUSWAP_SLURM_REQUEUE"    # "scontrol" (default) | "exit"
+DEFAULT_SIGNALS = "USR2,TERM"
+REQUEUE_TIMEOUT_S = 20.0
+REQUEUE_FROM = ("RUNNING", "SUSPENDED")  # job states in which a checkpointed job asks for requeue
+
+
+def detect(env: Mapping[str, str] = os.environ) -> bool:
+    """True inside a Slurm job, unless `$GPUSWAP_SLURM=0`."""
+    return bool(env.get("SLURM_JOB_ID")) and env.get(ENV_ENABLE, "1") not in ("0", "")
+
+
+def default_ckpt_dir(env: Mapping[str, str] = os.environ) -> str:
+    base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+    return str(Path(base) / ".gpuswap" / "ckpt" / env["SLURM_JOB_ID"])
+
+
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    try:
+        return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | None":
+    """The runtime's configuration for a Slurm job, or None outside Slurm."""
+    from gpuswap.runtime import channel
+    from gpuswap.runtime.handle import RuntimeConfig
+
+    if not detect(env):
+        return None
+    return RuntimeConfig(
+        job_id=env["SLURM_JOB_ID"],
+        control=None,
+        ckpt_dir=env.get(channel.ENV_CKPT_DIR) or default_ckpt_dir(env),
+        simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
+        slurm=True,
+    )
+
+
+def parse_signals(text: str) -> list[signal.Signals]:
+    """"USR2,TERM" / "SIGUSR2 15" -> signals; "none" or "" -> []."""
+    out: list[signal.Signals] = []
+    for word in text.replace(",", " ").split():
+        if word.lower() == "none":
+            return []
+        name = word.upper()
+        try:
+            sig = signal.Signals(int(name)) if name.isdigit() else \
+                signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        except (KeyError, ValueError):
+            raise ValueError(f"{ENV_SIGNALS}: unknown signal {word!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{ENV_SIGNALS}: {sig.name} cannot be caught")
+        if sig not in out:
+            out.append(sig)
+    return out
+
+
+class SignalBridge:
+    """Signal -> one byte on a pipe -> helper thread -> `job.request_pause("disk")`.
+
+    The handler runs between bytecodes of the training thread, possibly while it holds the
+    job's lock; so it only writes to the pipe, and the lock is taken by the helper thread.
+    """
+
+    def __init__(self, job: "Job", signals: list[signal.Signals]) -> None:
+        self.job = job
+        self.signals = signals
+        self.received: list[str] = []
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._previous: dict[signal.Signals, Any] = {}
+        self._thread = threading.Thread(target=self._pump, name="gpuswap-slurm", daemon=True)
+
+    def install(self) -> None:
+        """Make the handler ours for every signal whose handler is not; start the pump once.
+
+        Called on every attach, not just the first: a framework may have put its own (or the
+        default) handlers back in between, as Lightning's signal teardown does at the end of
+        each `fit()`, and a second fit's signals must still reach the new job."""
+        for sig in self.signals:
+            if signal.getsignal(sig) != self._handler:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        try:
+            os.write(self._w, bytes([signum & 0xFF]))
+        except OSError:  # pipe full: a pause is already on its way
+            pass
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = os.read(self._r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                name = signal.Signals(signum).name
+                self.received.append(name)
+                print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
+                      file=sys.stderr, flush=True)
+            self.job.request_pause("disk")
+
+
+_bridge: SignalBridge | None = None
+
+
+def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | None:
+    """Route Slurm's preemption signals to a disk pause; called by `attach` under Slurm."""
+    global _bridge
+    signals = parse_signals(env.get(ENV_SIGNALS, DEFAULT_SIGNALS))
+    restarts = restart_count(env)
+    print(f"gpuswap: Slurm job {job.config.job_id} (restart {restarts}); checkpoints in "
+          f"{job.config.ckpt_dir}; preemption signals "
+          f"{','.join(s.name for s in signals) or 'none'}", file=sys.stderr, flush=True)
+    if restarts and job.restored_step is None:
+        print("gpuswap: restarted by Slurm but no usable checkpoint: starting from step 0",
+              file=sys.stderr, flush=True)
+    if _bridge is not None:  # a second attach: one pipe and pump, pointed at the new job
+        _bridge.job = job
+    if threading.current_thread() is not threading.main_thread():
+        print("gpuswap: attach() not called from the main thread: Slurm signals not handled",
+              file=sys.stderr, flush=True)
+        return None
+    if _bridge is None:
+        _bridge = SignalBridge(job, signals)
+    _bridge.install()  # also takes back handlers that were replaced since the last attach
+    return _bridge
+
+
+def job_state(job_id: str) -> str | None:
+    """JobState as slurmctld sees it (RUNNING, CANCELLED, ...), or None if it cannot be asked."""
+    try:
+        res = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                             text=True, timeout=REQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for word in res.stdout.split():
+        if word.startswith("JobState="):
+            return word.partition("=")[2]
+    return None
+
+
+def requeue(config: "RuntimeConfig", env: Mapping[str, str] = os.environ) -> bool:
+    """After a durable checkpoint: ask Slurm to requeue this job (unless told to leave it to
+    Slurm). Returns whether `scontrol requeue` succeeded."""
+    if env.get(ENV_REQUEUE, "scontrol") == "exit":
+        return False
+    job_id = env.get("SLURM_JOB_ID") or config.job_id
+    state = job_state(str(job_id))
+    if state is not None and state not in REQUEUE_FROM:
+        # scancel also sends SIGTERM: a cancelled job must stay cancelled
+        print(f"gpuswap: Slurm job {job_id} is {state}; not requeueing it", file=sys.stderr, flush=True)
+        return False
+    try:
+        res = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True,
+                             text=True, timeout=REQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"gpuswap: scontrol requeue {job_id} failed: {exc}; exiting 75 "
+              "(configure RequeueExit=75 to requeue anyway)", file=sys.stderr, flush=True)
+        return False
+    if res.returncode != 0:
+        print(f"gpuswap: scontrol requeue {job_id}: {res.stderr.strip() or res.returncode}",
+              file=sys.stderr, flush=True)
+        return False
+    print(f"gpuswap: requeued Slurm job {job_id}", file=sys.stderr, flush=True)
+    return True

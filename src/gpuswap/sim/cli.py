@@ -1,0 +1,103 @@
+"""`gpuswap sim`: run the trace-driven simulator for one policy, several, or all (--compare)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from gpuswap.jobs import parse_size
+from gpuswap.policy import POLICIES
+from gpuswap.policy.model import PolicyConfig
+from gpuswap.sim.costmodel import parse_cost_model
+from gpuswap.sim.engine import Cluster, SimError, simulate
+from gpuswap.sim.trace import TraceError, load
+
+EX_USAGE = 64
+EX_SOFTWARE = 70
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="CSV trace (see docs/simulator.md for columns)")
+    p.add_argument("--policy", default="gpuswap",
+                   help=f"policy name or comma list; one of: {', '.join(POLICIES)}")
+    p.add_argument("--compare", action="store_true", help="run every policy on the same trace and seed")
+    p.add_argument("--nodes", type=int, default=64)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--ram-per-node", default="256GiB", help="host RAM per node for parked GPU state")
+    p.add_argument("--switch-cost", default="gpuswap",
+                   help="gpuswap | checkpoint | fixed:SECONDS | measured:FILE (gpuswap gpus --json)")
+    p.add_argument("--urgent-fraction", type=float, default=0.1,
+                   help="share of jobs <= 15 min marked urgent when the trace has no class column")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N jobs (by submit time)")
+    p.add_argument("--tick", type=float, default=300.0,
+                   help="seconds between re-evaluations while jobs wait (time-based rules)")
+    p.add_argument("--min-runtime", type=float, default=PolicyConfig().min_runtime_s)
+    p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("sim", help="simulate scheduling policies on a job trace",
+                              description=__doc__)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _usage(msg: str) -> int:
+    print(f"gpuswap sim: {msg}", file=sys.stderr)
+    return EX_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = list(POLICIES) if args.compare else [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        return _usage(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        return _usage("--nodes and --gpus-per-node must be >= 1")
+    if not 0.0 <= args.urgent_fraction <= 1.0:
+        return _usage("--urgent-fraction must be between 0 and 1")
+    if args.tick <= 0:
+        return _usage("--tick must be > 0")
+    try:
+        ram = parse_size(args.ram_per_node)
+        model = parse_cost_model(args.switch_cost)
+        trace = load(args.trace, seed=args.seed, urgent_fraction=args.urgent_fraction,
+                     gpus_per_node=args.gpus_per_node, limit=args.limit)
+    except (TraceError, ValueError) as e:
+        return _usage(str(e))
+    if trace.skipped:
+        print(f"skipped {trace.skipped} malformed row(s), e.g. {trace.problems[0]}", file=sys.stderr)
+    cluster = Cluster(args.nodes, args.gpus_per_node, ram)
+    config = PolicyConfig(min_runtime_s=args.min_runtime)
+    from gpuswap.sim.metrics import summarize
+    from gpuswap.sim.report import print_table, write_outputs
+
+    summaries, results = {}, {}
+    for name in policies:
+        t0 = time.perf_counter()
+        try:
+            r = simulate(trace.jobs, name, cluster=cluster, cost_model=model, config=config,
+                         tick_s=args.tick)
+        except SimError as e:
+            print(f"gpuswap sim: internal error under policy {name}: {e}", file=sys.stderr)
+            return EX_SOFTWARE
+        results[name] = r
+        summaries[name] = summarize(r) | {"wall_s": round(time.perf_counter() - t0, 2)}
+    gpus = args.nodes * args.gpus_per_node
+    title = (f"{len(trace.jobs):,} jobs on {args.nodes}x{args.gpus_per_node} = {gpus} GPUs, "
+             f"switch cost {model.name}, seed {args.seed}")
+    print_table(summaries, title)
+    if trace.clamped:
+        print(f"{trace.clamped} job(s) wider than a node were narrowed to {args.gpus_per_node} GPUs "
+              "(same GPU-time)")
+    if args.out:
+        meta = {"trace": args.trace, "jobs": len(trace.jobs), "skipped": trace.skipped,
+                "clamped": trace.clamped, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+                "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
+                "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
+                "min_runtime_s": args.min_runtime}
+        for path in write_outputs(args.out, summaries, results, meta):
+            print(f"wrote {path}")
+    return 0

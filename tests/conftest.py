@@ -1,0 +1,71 @@
+"""Fixtures that start a real gpuswap daemon process on a private GPUSWAP_HOME with simulated GPUs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from gpuswap_testing import Daemon, has_gpu, train_cmd
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (none found through NVML)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def home() -> Any:
+    # Short path: Unix socket paths are limited to 108 bytes. World-traversable for other-user tests.
+    d = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon(home: Path) -> Any:
+    daemons: list[Daemon] = []
+
+    def make(*args: str) -> Daemon:
+        # Tests' jobs live seconds, not hours: the default switch-time cap would protect them all.
+        d = Daemon(home, (list(args) or ["--simulate-gpus", "1x80GiB", "--min-runtime", "1"])
+                   + ["--max-switch-fraction", "1"])
+        daemons.append(d)
+        return d.start()
+
+    yield make
+    for d in daemons:
+        d.stop()
+    # Leave no job processes behind: supervisors and jobs run in their own sessions.
+    subprocess.run(["pkill", "-9", "-f", str(home)], check=False)
+
+
+@pytest.fixture
+def daemon(make_daemon: Any) -> Daemon:
+    return make_daemon()
+
+
+@pytest.fixture(scope="session")
+def reference_hashes() -> Callable[..., str]:
+    """sha256 of the demo model's parameters after N uninterrupted steps, outside gpuswap."""
+    cache: dict[tuple[int, int], str] = {}
+
+    def get(steps: int, hidden: int = 64) -> str:
+        if (steps, hidden) not in cache:
+            out = Path(tempfile.mkdtemp()) / "ref.json"
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
+            subprocess.run(train_cmd(out, steps, 0.0, hidden), env=env, check=True, capture_output=True)
+            cache[steps, hidden] = json.loads(out.read_text())["sha256"]
+        return cache[steps, hidden]
+
+    return get

@@ -1,0 +1,48 @@
+"""Framework tests run small real jobs as subprocesses (a disk park exits the process with 75)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+
+HERE = Path(__file__).parent
+SRC = str(HERE.parents[1] / "src")
+
+
+def _start(script: str, out: Path, ckpt: Optional[Path], pauses: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(HERE), SRC]), FW_PAUSES=pauses,
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if ckpt is not None:
+        env.update(GPUSWAP_JOB_ID="fw-test", GPUSWAP_CKPT_DIR=str(ckpt), GPUSWAP_SIMULATED_GPU="1")
+    return subprocess.Popen([sys.executable, str(HERE / script), str(out)], env=env, cwd=out.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, out: Path, expect_rc: int) -> Optional[dict[str, Any]]:
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == expect_rc, f"rc {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return json.loads(out.read_text()) if expect_rc == 0 else None
+
+
+def run_all(script: str, tmp: Path, plans: list[str]) -> dict[str, dict[str, Any]]:
+    """The uninterrupted run (outside gpuswap) and one run per pause plan (FW_PAUSES, e.g.
+    "ram:10,disk:16") inside it, as concurrent processes. A plan ending in a disk park must exit
+    75 leaving a committed checkpoint; its result is then the restarted process's."""
+    first = {"baseline": (_start(script, tmp / "baseline.json", None, ""), tmp / "baseline.json", 0)}
+    for plan in plans:
+        first[plan] = (_start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan),
+                       tmp / f"{plan}.json", 75 if "disk" in plan else 0)
+    results = {name: _finish(p, out, rc) for name, (p, out, rc) in first.items()}
+    second = {}
+    for plan in plans:
+        if "disk" in plan:
+            assert list((tmp / f"ckpt-{plan}").glob("ckpt-*.json")), "the disk park left no checkpoint"
+            second[plan] = _start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan)
+    for plan, p in second.items():
+        results[plan] = _finish(p, tmp / f"{plan}.json", 0)
+    return results  # type: ignore[return-value]

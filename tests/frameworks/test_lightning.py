@@ -1,0 +1,32 @@
+"""Lightning's SafepointCallback with a real Trainer on CPU: parked to RAM, then to disk (the
+process exits 75, a new one restores the trainer's own state), the fit ends bitwise equal to an
+uninterrupted one and trains on the same batches in the same order."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lightning", reason="lightning is not installed: pip install 'gpuswap[lightning]'")
+
+from fw_runner import run_all  # noqa: E402
+
+JOB = "lightning_job.py"  # 3 epochs x 12 batches; shuffled loader, dropout, AdamW, StepLR per step
+MID, END = "ram:10,disk:16", "disk:23"  # step 16: mid-epoch 1; step 23: last batch of epoch 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    r = run_all(JOB, tmp_path_factory.mktemp("lightning"), [MID, END])
+    assert r["baseline"]["global_step"] == 36 and r["baseline"]["restored_step"] is None
+    return r
+
+
+@pytest.mark.parametrize("plan,pause_at", [(MID, 16), (END, 23)], ids=["ram+disk-mid-epoch", "disk-epoch-end"])
+def test_park_and_resume_is_bitwise_exact(runs: dict, plan: str, pause_at: int) -> None:
+    base, r = runs["baseline"], runs[plan]
+    assert r["restored_step"] == pause_at
+    if "ram" in plan:  # the RAM park before the disk park really released the memory
+        assert r["parked_bytes"] and r["parked_bytes"][0] > 0
+    assert (r["global_step"], r["epoch"], r["lr"]) == (36, 3, base["lr"])  # loops + scheduler
+    # the restarted process trained on exactly the batches the uninterrupted run had left
+    assert r["batches"] == base["batches"][pause_at + 1:]
+    assert r["sha256"] == base["sha256"]

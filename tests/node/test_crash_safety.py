@@ -1,0 +1,104 @@
+"""kill -9 of the daemon at any moment loses no job, no exit code, no parked state."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from gpuswap_testing import train_cmd
+
+
+def test_exit_code_of_job_that_ends_while_daemon_is_down(daemon):
+    job = daemon.submit(["sh", "-c", "sleep 2; exit 7"])
+    daemon.state(job, "RUNNING")
+    daemon.kill9()
+    time.sleep(3.5)                       # the job ends with nobody but its supervisor watching
+    daemon.start()
+    j = daemon.state(job, "FAILED", timeout=20)
+    assert j["exit_code"] == 7
+
+
+def test_job_that_ends_while_daemon_is_down_keeps_its_real_end_time(daemon, home):
+    """end_time and the final event are when the job ended (the supervisor's exit.time), not
+    when the restarted daemon noticed."""
+    job = daemon.submit(["sh", "-c", "sleep 1; exit 0"])
+    status = home / "jobs" / str(job) / "run-1" / "status.json"
+
+    def recorded(key: str) -> bool:
+        return status.exists() and bool(json.loads(status.read_text())[key])
+
+    deadline = time.monotonic() + 20
+    while not recorded("job_pid") and time.monotonic() < deadline:     # spawned, not just recorded
+        time.sleep(0.05)
+    daemon.kill9()
+    while not recorded("exit") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = json.loads(status.read_text())["exit"]["time"]
+    assert abs(ended - time.time()) < 1.5
+    time.sleep(3)                          # the daemon stays down well after the job ended
+    restarted = time.time()
+    daemon.start()
+    j = daemon.state(job, "COMPLETED", timeout=20)
+    assert abs(j["end_time"] - ended) < 1.0 and restarted - j["end_time"] > 2, (j["end_time"], ended, restarted)
+    last = j["events"][-1]
+    assert last["state"] == "COMPLETED" and abs(last["time"] - ended) < 1.0
+    assert abs(j["state_since"] - ended) < 1.0
+
+
+def test_running_job_is_readopted_not_restarted(daemon, home):
+    job = daemon.submit(["sh", "-c", "echo started; sleep 4; echo finished"])
+    daemon.state(job, "RUNNING")
+    daemon.kill9()
+    daemon.start()
+    assert daemon.job(job)["state"] == "RUNNING"
+    j = daemon.state(job, "COMPLETED", timeout=30)
+    log = daemon.cli("logs", str(job)).stdout
+    assert log.count("started") == 1 and "finished" in log      # one process, never relaunched
+    assert [e["state"] for e in j["events"]] == ["PENDING", "RUNNING", "COMPLETED"]
+
+
+def test_parked_in_ram_survives_daemon_kill_and_resumes_exactly(daemon, home, reference_hashes):
+    steps = 150
+    long_id = daemon.submit(train_cmd(home / "long.json", steps), name="long", priority="low")
+    daemon.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 10)
+    urgent = daemon.submit([sys.executable, "-c", "import time; time.sleep(6)"], name="urgent", priority="urgent")
+    daemon.until(long_id, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    daemon.state(urgent, "RUNNING")
+    daemon.kill9()
+    time.sleep(1)
+    daemon.start()
+    j = daemon.job(long_id)
+    assert j["state"] == "PAUSED" and j["parked"] == "ram"
+    daemon.state(urgent, "COMPLETED", timeout=30)
+    daemon.state(long_id, "COMPLETED", timeout=120)
+    assert json.loads((home / "long.json").read_text())["sha256"] == reference_hashes(steps)
+
+
+def test_repeated_kills_during_a_busy_queue_lose_nothing(daemon):
+    ids = [daemon.submit(["sh", "-c", f"sleep 0.{i}; exit {i}"], priority=p)
+           for i, p in zip(range(6), ["low", "urgent", "normal", "high", "low", "urgent"])]
+    for _ in range(4):
+        time.sleep(0.7)
+        daemon.kill9()
+        daemon.start()
+    for i, job in enumerate(ids):
+        j = daemon.state(job, "COMPLETED", "FAILED", timeout=60)
+        assert j["exit_code"] == i
+
+
+def test_supervisor_survives_and_pid_reuse_cannot_fool_liveness(daemon, home):
+    job = daemon.submit(["sleep", "30"])
+    daemon.state(job, "RUNNING")
+    path = home / "jobs" / str(job) / "run-1" / "status.json"
+    deadline = time.monotonic() + 20
+    while not (path.exists() and json.loads(path.read_text())["job_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = json.loads(path.read_text())
+    daemon.kill9()
+    os.kill(status["supervisor_pid"], signal.SIGKILL)   # the supervisor dies too: status unknown
+    daemon.start()
+    j = daemon.state(job, "FAILED", timeout=20)
+    assert "supervisor died" in j["reason"]
+    os.kill(status["job_pid"], signal.SIGKILL)

@@ -1,0 +1,74 @@
+"""Parking tiers under the host-RAM budget, with real cooperative jobs on simulated GPUs."""
+from __future__ import annotations
+
+import json
+import sys
+
+from gpuswap_testing import train_cmd
+
+
+def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daemon, home, reference_hashes):
+    """Two cooperative jobs of ~17 MB each; the budget holds one. For the second victim the policy
+    weighs parking it to disk (its GPU held while the checkpoint is written) against spilling the
+    first, already parked, to disk (host-side; it pays a slower restart later): with RAM copies
+    faster than disk writes, the spill is cheaper, so the first goes to disk and the second to RAM.
+    The budget is never exceeded and both end bitwise-exact."""
+    d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--ram-budget", "24MiB")
+    steps, hidden = 250, 1024
+    lows = [d.submit(train_cmd(home / f"low{i}.json", steps, 0.02, hidden), name=f"low{i}", priority="low")
+            for i in range(2)]
+    for low in lows:
+        d.until(low, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) > 5)
+    urgents = [d.submit([sys.executable, "-c", "import time; time.sleep(6)"], name="u0", priority="urgent")]
+    d.until(lows[0], lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")  # only a parked job spills
+    urgents.append(d.submit([sys.executable, "-c", "import time; time.sleep(4)"], name="u1", priority="urgent"))
+    peak = 0
+    while d.job(urgents[0])["state"] != "COMPLETED" or d.job(urgents[1])["state"] != "COMPLETED":
+        gpus = d.client.get("/v1/gpus")
+        peak = max(peak, gpus["ram_parked"])
+        assert gpus["ram_parked"] <= gpus["ram_budget"]
+    tiers, reasons = set(), []
+    for low in lows:
+        j = d.state(low, "COMPLETED", timeout=120)
+        tiers |= {e["reason"].split(":")[0] for e in j["events"] if e["state"] == "PAUSED"}
+        reasons += [e["reason"] for e in j["events"]]
+        assert json.loads((home / f"low{lows.index(low)}.json").read_text())["sha256"] == reference_hashes(steps, hidden)
+    assert {"parked in RAM", "parked to disk"} <= tiers, tiers
+    assert any("making room in host RAM" in r for r in reasons), "\n".join(reasons)
+    assert 0 < peak <= 24 * 2**20
+
+
+def test_spill_from_ram_to_disk_and_resume_exactly(daemon, home, reference_hashes):
+    steps = 200
+    job = daemon.submit(train_cmd(home / "s.json", steps, 0.03), name="s")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    assert daemon.cli("pause", str(job), "--to", "disk").returncode == 0      # spill
+    daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 0
+    assert daemon.cli("resume", str(job)).returncode == 0
+    done = daemon.state(job, "COMPLETED", timeout=120)
+    reasons = [e["reason"] for e in done["events"]]
+    assert any(r.startswith("spill to disk requested") for r in reasons)
+    assert any(r.startswith("restarted from its disk checkpoint at step") for r in reasons)
+    assert json.loads((home / "s.json").read_text())["sha256"] == reference_hashes(steps)
+
+
+def test_lowered_budget_makes_the_policy_spill_a_ram_parked_job(make_daemon, home, reference_hashes):
+    """An admin restarts the daemon with a smaller budget: what no longer fits is spilled to disk."""
+    steps, hidden = 250, 1024
+    d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0")
+    low = d.submit(train_cmd(home / "low.json", steps, 0.02, hidden), name="low", priority="low")
+    d.until(low, lambda j: j["state"] == "RUNNING" and (j["device_bytes"] or 0) > 10 * 2**20)
+    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(8)"], name="urgent", priority="urgent")
+    d.until(low, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    d.stop()
+    d.args = ["--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "1",
+              "--ram-budget", "1MiB"]
+    d.start()
+    j = d.until(low, lambda j: j["parked"] == "disk" or j["state"] == "COMPLETED", timeout=60)
+    assert j["parked"] == "disk" and d.client.get("/v1/gpus")["ram_parked"] == 0
+    d.state(urgent, "COMPLETED", timeout=60)
+    d.state(low, "COMPLETED", timeout=120)
+    assert json.loads((home / "low.json").read_text())["sha256"] == reference_hashes(steps, hidden)

@@ -1,0 +1,197 @@
+"""The transparent path's control flow against an explicit fake of the CUDA driver's checkpoint API
+(order of calls, timeouts, failures, refusals), with a real SQLite store and real processes.
+The fake stands in for the absent GPU driver only; everything else is the production code."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from gpuswap.jobs import JobState
+from gpuswap.node.bandwidth import Bandwidths
+from gpuswap.node.cuda_ckpt import Capability, CheckpointDriver, CheckpointError
+from gpuswap.node.freezer import Freezer
+from gpuswap.node.gpus import GpuInfo, GpuInventory, GpuProcess
+from gpuswap.node.launcher import Observation
+from gpuswap.node.store import NewJob, Store
+
+
+class FakeDriver(CheckpointDriver):
+    """The driver's state machine, with call log and injectable failures."""
+
+    def __init__(self, migration: bool = True):
+        self.capability = Capability(True, "FAKE driver for tests", migration=migration)
+        self.states: dict[int, str] = {}
+        self.calls: list[tuple] = []
+        self.fail: dict[str, str] = {}
+
+    def _do(self, call: str, pid: int, expect: str, new: str, *extra) -> None:
+        self.calls.append((call, pid, *extra))
+        if call in self.fail:
+            raise CheckpointError(call, self.fail[call])
+        if self.states.get(pid, "running") != expect:
+            raise CheckpointError(call, "CUDA_ERROR_ILLEGAL_STATE")
+        self.states[pid] = new
+
+    def state(self, pid: int) -> str:
+        return self.states.get(pid, "running")
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._do("lock", pid, "running", "locked", timeout_ms)
+
+    def checkpoint(self, pid: int) -> None:
+        self._do("checkpoint", pid, "locked", "checkpointed")
+
+    def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
+        self._do("restore", pid, "checkpointed", "locked", gpu_map)
+
+    def unlock(self, pid: int) -> None:
+        self._do("unlock", pid, "locked", "running")
+
+
+class FakeGpus(GpuInventory):
+    """Two 80 GiB 'real' GPUs as NVML would list them (processes and memory in use settable)."""
+
+    simulated = False
+
+    def __init__(self) -> None:
+        self.procs: dict[int, tuple[GpuProcess, ...]] = {0: (), 1: ()}
+        self.used = {0: 0, 1: 0}
+
+    def list(self) -> list[GpuInfo]:
+        return [GpuInfo(i, "fake H100", f"GPU-0000000{i}-0000-0000-0000-000000000000", 80 * 2**30, self.used[i],
+                        False, self.procs[i]) for i in (0, 1)]
+
+    def describe(self) -> str:
+        return "fake GPUs for tests"
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    proc = subprocess.Popen(["sleep", "60"])
+    store = Store(tmp_path / "state.db")
+    [job_id] = store.add_jobs([NewJob("t", "u", 0, 0, ["sleep"], "/", {}, 0, 1, 4 * 2**30,
+                                      pause_mode="transparent")], time.time())
+    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent", assigned=[0],
+                 generation=1, pause_requested_at=time.time())
+    gpus, driver = FakeGpus(), FakeDriver()
+    gpus.procs[0] = (GpuProcess(proc.pid, 4 * 2**30),)
+    freezer = Freezer(store, driver, gpus, Bandwidths())
+    yield store, job_id, proc.pid, gpus, driver, freezer
+    proc.kill()
+    proc.wait()
+
+
+def drive(store, job_id, freezer, pid, method: str, stopped: bool, until, limit: int = 50):
+    """Run the freezer like the control loop does; the supervisor's SIGSTOP/SIGCONT follows job.stopped."""
+    for _ in range(limit):
+        job = store.get(job_id)
+        if until(job):
+            return job
+        stopped = job.stopped
+        getattr(freezer, method)(job, Observation({"job_pid": pid, "stopped": stopped}, True, 0.0), time.time())
+        while freezer.runner.busy(job_id):
+            time.sleep(0.005)
+    raise AssertionError(f"no progress: {store.get(job_id)}")
+
+
+def events(store, job_id):
+    return [e.reason for e in store.events(job_id)]
+
+
+def test_freeze_then_thaw_in_order(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint"]
+    assert job.parked == "ram" and job.parked_bytes == 4 * 2**30 and job.stopped and job.assigned == []
+    assert "frozen transparently" in events(store, job_id)[-1] and "checkpoint" in events(store, job_id)[-1]
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    order = []
+    real_restore = driver.restore
+    driver.restore = lambda p, m=None: (order.append(("stopped", store.get(job_id).stopped)), real_restore(p, m))
+    job = drive(store, job_id, freezer, pid, "thawing", True, lambda j: j.state == JobState.RUNNING)
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint", "restore", "unlock"]
+    assert order == [("stopped", False)]                  # SIGCONT came before the restore
+    assert driver.calls[2][2] is None                      # same GPU: no remapping
+    assert job.parked is None and "thawed" in events(store, job_id)[-1]
+
+
+def test_lock_timeout_leaves_job_running_and_refused(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    driver.fail["lock"] = "CUDA_ERROR_TIMEOUT"
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+    assert job.transparent_refused == "lock timed out after 10 s" and not job.stopped
+    assert "cannot freeze transparently (lock timed out" in events(store, job_id)[-1]
+    assert [c[0] for c in driver.calls] == ["lock"]
+
+
+def test_checkpoint_failure_unlocks_and_keeps_running(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    driver.fail["checkpoint"] = "CUDA_ERROR_NOT_SUPPORTED"
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint", "unlock"]
+    assert driver.state(pid) == "running"
+    assert "CUDA_ERROR_NOT_SUPPORTED" in job.transparent_refused
+
+
+def test_several_cuda_processes_are_refused_without_touching_the_driver(world, tmp_path):
+    store, job_id, pid, gpus, driver, freezer = world
+    tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"])
+    time.sleep(0.2)
+    import psutil
+    kids = [p.pid for p in psutil.Process(tree.pid).children()]
+    gpus.procs[0] = tuple(GpuProcess(k, 2**30) for k in kids)
+    try:
+        job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+    finally:
+        tree.kill()
+        subprocess.run(["pkill", "-P", str(tree.pid)])
+    assert driver.calls == []
+    assert "2 CUDA processes" in job.transparent_refused and "one CUDA process per job" in job.transparent_refused
+
+
+def test_restart_mid_freeze_continues_from_driver_state(world):
+    store, job_id, pid, gpus, driver, _ = world
+    driver.states[pid] = "locked"                 # the old daemon died right after the lock
+    fresh = Freezer(store, driver, gpus, Bandwidths())
+    job = drive(store, job_id, fresh, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    assert [c[0] for c in driver.calls] == ["checkpoint"]
+    assert job.parked == "ram"
+
+
+def test_no_restore_without_room_then_migrate(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    gpus.used[1] = 78 * 2**30                       # someone else fills GPU 1
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[1])
+    for _ in range(5):
+        job = store.get(job_id)
+        freezer.thawing(job, Observation({"job_pid": pid, "stopped": job.stopped}, True, 0.0), time.time())
+    assert "restore" not in [c[0] for c in driver.calls]
+    assert events(store, job_id)[-1].startswith("waiting for room before restoring: GPU 1 has 2.0 GiB free")
+    gpus.used[1] = 0
+    job = drive(store, job_id, freezer, pid, "thawing", False, lambda j: j.state == JobState.RUNNING)
+    restore = next(c for c in driver.calls if c[0] == "restore")
+    u0, u1 = (g.uuid for g in gpus.list())
+    assert restore[2] == {u0: u1, u1: u0}          # moved GPUs swap; every GPU the driver knows is mapped
+    assert "onto GPU 1" in events(store, job_id)[-1]
+
+
+def test_failed_restore_stops_the_job_rather_than_leaving_it_stuck(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    driver.fail["restore"] = "CUDA_ERROR_OUT_OF_MEMORY"
+    drive(store, job_id, freezer, pid, "thawing", True, lambda j: j.cancel_requested)
+    assert "thaw failed" in events(store, job_id)[-1] and "cannot retry" in events(store, job_id)[-1]
+    assert [c[0] for c in driver.calls].count("restore") == 1        # never retried
+
+
+def test_driver_reporting_failed_state_stops_the_job(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    driver.states[pid] = "failed"
+    drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.cancel_requested)
+    assert "reports the job's CUDA state as failed" in events(store, job_id)[-1]

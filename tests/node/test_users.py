@@ -1,0 +1,85 @@
+"""Peer credentials decide who calls; users see and act on their own jobs only; jobs run as them.
+
+The second user is `nobody`. Its requests come from a forked child that drops to its uid before
+connecting, so the daemon sees a genuinely different SO_PEERCRED (the interpreter itself lives
+under /root, which `nobody` could not exec)."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+from typing import Any, Optional
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+
+
+class AsUser:
+    def __init__(self, home, uid: int, gid: int):
+        self.sock, self.uid, self.gid = str(home / "gpuswap.sock"), uid, gid
+
+    def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # child: become the other user, make one request, report, exit
+            try:
+                os.close(r)
+                os.setgroups([])
+                os.setgid(self.gid)
+                os.setuid(self.uid)
+                with httpx.Client(transport=httpx.HTTPTransport(uds=self.sock), base_url="http://x") as c:
+                    resp = c.request(method, path, json=body)
+                    out = json.dumps([resp.status_code, resp.json()])
+            except BaseException as e:  # report anything to the parent
+                out = json.dumps([-1, repr(e)])
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        os.close(r)
+        os.waitpid(pid, 0)
+        return tuple(json.loads(data))
+
+
+@pytest.fixture
+def nobody(daemon):
+    pw = pwd.getpwnam("nobody")
+    return AsUser(daemon.home, pw.pw_uid, pw.pw_gid)
+
+
+def test_job_runs_as_submitting_user(daemon, nobody):
+    code, rec = nobody.request("POST", "/v1/jobs", {"argv": ["sh", "-c", "id -u; id -g"], "cwd": "/tmp",
+                                                    "env": {"PATH": os.environ["PATH"]}})
+    assert code == 201, rec
+    j = daemon.state(rec["id"], "COMPLETED")
+    assert j["user"] == "nobody"
+    out = daemon.cli("logs", str(rec["id"])).stdout.split()
+    assert out == [str(nobody.uid), str(nobody.gid)]
+
+
+def test_users_see_and_act_on_their_own_jobs_only(daemon, nobody):
+    mine = daemon.submit(["sleep", "30"], name="roots-job")          # submitted as root
+    daemon.state(mine, "RUNNING")
+    code, listed = nobody.request("GET", "/v1/jobs")
+    assert code == 200 and mine not in [j["id"] for j in listed]
+    for method, path, body in (("GET", f"/v1/jobs/{mine}", None), ("POST", f"/v1/jobs/{mine}/cancel", None),
+                               ("POST", f"/v1/jobs/{mine}/pause", {"to": "ram"}),
+                               ("GET", f"/v1/jobs/{mine}/log", None)):
+        code, rec = nobody.request(method, path, body)
+        assert code == 404 and rec["detail"] == f"no job {mine}", (path, code, rec)
+    assert nobody.request("GET", "/v1/jobs?all=true")[0] == 403
+    assert daemon.job(mine)["state"] == "RUNNING"
+    code, gpus = nobody.request("GET", "/v1/gpus")
+    assert gpus["gpus"][0]["jobs"][0]["user"] == "(other)"
+    # nobody's own job: visible and cancellable by nobody; root (admin) sees and acts on both
+    code, theirs = nobody.request("POST", "/v1/jobs", {"argv": ["sleep", "30"], "cwd": "/tmp",
+                                                       "env": {"PATH": os.environ["PATH"]}})
+    assert [j["id"] for j in nobody.request("GET", "/v1/jobs")[1]] == [theirs["id"]]
+    all_jobs = json.loads(daemon.cli("ls", "--all-users", "--json").stdout)
+    assert {mine, theirs["id"]} <= {j["id"] for j in all_jobs}
+    assert nobody.request("POST", f"/v1/jobs/{theirs['id']}/cancel")[0] == 200
+    assert daemon.cli("cancel", str(mine)).returncode == 0

@@ -1,0 +1,128 @@
+"""Rules every policy shares: placement, no double-booking, in-flight pauses, minimum runtime."""
+import pytest
+
+from gpuswap.jobs import Priority
+from gpuswap.policy import POLICIES, Pause, Phase, PolicyConfig, Resume, Spill, Start, decide
+from policy_helpers import GiB, gpus, job, kinds, snap
+
+PREEMPTIVE = [p for p in POLICIES if p != "fifo"]
+
+
+def _with_remaining(jobs, policy):
+    if policy != "srtf-oracle":
+        return jobs
+    from dataclasses import replace
+    return [replace(j, remaining_s=10.0 if j.priority == Priority.URGENT else 1e6) for j in jobs]
+
+
+def test_public_api():
+    assert set(POLICIES) == {"fifo", "priority", "las", "gandiva", "srtf-oracle", "gpuswap"}
+    with pytest.raises(ValueError, match="unknown policy"):
+        decide(snap(0, gpus(1), []), "nope")
+    with pytest.raises(ValueError, match="remaining_s"):
+        decide(snap(0, gpus(1), [job("a")]), "srtf-oracle")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fills_free_gpus_without_double_booking(policy):
+    jobs = [job(str(i), gpus=g, submit=i) for i, g in enumerate([2, 1, 4, 1, 2])]
+    s = snap(10, gpus(4, nodes=2), _with_remaining(jobs, policy))
+    out = decide(s, policy)
+    used = [g for d in out for g in d.gpus]
+    assert len(used) == len(set(used)) <= 8
+    assert all(isinstance(d, Start) for d in out)
+    for d in out:   # all of a job's GPUs on one node
+        assert len({g // 4 for g in d.gpus}) == 1
+    assert sum(len(d.gpus) for d in out) == 8    # 2+1+4+1 fit, and the 2-GPU job backfills nothing
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_deterministic_and_idempotent(policy):
+    jobs = [job("r", Phase.RUNNING, assigned=(0,), since=0, attained=5000, run_s=5000),
+            job("w", prio=Priority.URGENT, submit=10, since=10), job("x", submit=11, since=11)]
+    s = snap(6000, gpus(1), _with_remaining(jobs, policy))
+    assert decide(s, policy) == decide(s, policy)
+
+
+def test_never_splits_a_job_across_nodes():
+    s = snap(0, gpus(2, nodes=2), [job("busy1", Phase.RUNNING, assigned=(0,)),
+                                    job("busy2", Phase.RUNNING, assigned=(2,)), job("wide", gpus=2)])
+    assert decide(s, "fifo") == []
+
+
+@pytest.mark.parametrize("policy", PREEMPTIVE)
+def test_minimum_runtime_is_respected(policy):
+    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), since=970, attained=1e6,
+                 run_s=1e6, submit=0)
+    urgent = job("u", prio=Priority.URGENT, submit=990, since=990)
+    jobs = _with_remaining([victim, urgent], policy)
+    assert decide(snap(1000, gpus(1), jobs), policy) == []           # 30 s < 60 s minimum runtime
+    late = snap(1000 + 31 + 600, gpus(1), jobs)                        # past it (and past a quantum)
+    assert kinds(decide(late, policy)) == [("Pause", "low")]
+
+
+@pytest.mark.parametrize("policy", PREEMPTIVE)
+def test_pause_in_flight_is_not_repeated(policy):
+    pausing = job("low", Phase.PAUSING, prio=Priority.LOW, assigned=(0,), since=999, attained=1e6)
+    other = job("low2", Phase.RUNNING, prio=Priority.LOW, assigned=(1,), since=0, attained=1e6, run_s=1e6)
+    urgent = job("u", prio=Priority.URGENT, submit=990, since=990)
+    out = decide(snap(1000, gpus(2), _with_remaining([pausing, other, urgent], policy)), policy)
+    assert out == []       # the urgent job waits for the GPU the pause in flight frees
+
+
+@pytest.mark.parametrize("policy", PREEMPTIVE)
+def test_non_preemptible_and_runtime_less_jobs_are_never_paused(policy):
+    a = job("np", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), attained=1e6, run_s=1e6, preemptible=False)
+    b = job("nort", Phase.RUNNING, prio=Priority.LOW, assigned=(1,), attained=1e6, run_s=1e6, tiers=frozenset())
+    urgent = job("u", prio=Priority.URGENT, submit=5000, since=5000)
+    assert decide(snap(10000, gpus(2), _with_remaining([a, b, urgent], policy)), policy) == []
+
+
+def test_ram_parked_job_resumes_only_on_its_node():
+    parked = job("p", Phase.PAUSED, parked="ram", parked_bytes=4 * GiB, node="n0", since=5)
+    busy = job("b", Phase.RUNNING, assigned=(0,), preemptible=False)
+    s = snap(100, gpus(1, nodes=2), [parked, busy])
+    assert decide(s, "fifo") == [Spill("p", "n0 is busy; moved to disk to resume on another node")]
+    disk = job("p", Phase.PAUSED, parked="disk", parked_bytes=4 * GiB, node="n0", since=5)
+    assert decide(snap(100, gpus(1, nodes=2), [disk, busy]), "fifo") == [Resume("p", (1,), "resumed on n1 GPU 1")]
+
+
+def test_ram_budget_sends_victim_to_disk_and_spills_over_budget():
+    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), mem_gib=8, attained=1e5, run_s=1e5)
+    urgent = job("u", prio=Priority.URGENT, submit=500, since=500)
+    roomy = decide(snap(1000, gpus(1), [victim, urgent], ram_budget={"n0": 64 * GiB}), "gpuswap")
+    assert roomy == [Pause("low", "ram", "preempted by job u (urgent)")]
+    tight = decide(snap(1000, gpus(1), [victim, urgent], ram_budget={"n0": 4 * GiB}), "gpuswap")
+    assert [(d.job_id, d.tier) for d in tight] == [("low", "disk")]
+    parked = job("old", Phase.PAUSED, parked="ram", parked_bytes=8 * GiB, node="n0", since=1)
+    busy = job("b", Phase.RUNNING, assigned=(0,), preemptible=False)
+    out = decide(snap(1000, gpus(1), [parked, busy], ram_budget={"n0": 4 * GiB}), "gpuswap")
+    assert [type(d) for d in out] == [Spill] and out[0].job_id == "old"
+
+
+def test_reason_names_the_preemptor_and_its_class():
+    victim = job("7", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), attained=10, run_s=10)
+    out = decide(snap(1000, gpus(1), [victim, job("12", prio=Priority.URGENT, since=999)]), "priority")
+    assert out == [Pause("7", "ram", "preempted by job 12 (urgent)")]
+
+
+def test_fifo_never_preempts():
+    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), attained=1e6, run_s=1e6)
+    assert decide(snap(1e6, gpus(1), [victim, job("u", prio=Priority.URGENT)]), "fifo") == []
+
+
+def test_minimum_runtime_is_configurable():
+    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), since=900)
+    s = snap(1000, gpus(1), [victim, job("u", prio=Priority.URGENT, since=999)],
+             config=PolicyConfig(min_runtime_s=200))
+    assert decide(s, "priority") == []
+
+
+def test_ram_parked_job_relocates_via_disk_when_its_node_is_full():
+    parked = job("p", Phase.PAUSED, parked="ram", parked_bytes=4 * GiB, node="n0", since=5)
+    busy = job("b", Phase.RUNNING, assigned=(0,), preemptible=False)
+    out = decide(snap(100, gpus(1, nodes=2), [parked, busy]), "gpuswap")
+    assert [type(d) for d in out] == [Spill] and "resume on another node" in out[0].reason
+    ram_only = job("p", Phase.PAUSED, parked="ram", parked_bytes=4 * GiB, node="n0", since=5,
+                   tiers=frozenset({"ram"}))
+    assert decide(snap(100, gpus(1, nodes=2), [ram_only, busy]), "gpuswap") == []

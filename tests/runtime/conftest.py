@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpuswap_rt_peer import DEMO_STEPS, SupervisorPeer, finish, read_result, start_train  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU")
+    here = Path(__file__).parent
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda and here in Path(item.path).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def peer():
+    p = SupervisorPeer()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory):
+    """The demo run uninterrupted and outside gpuswap: the reference for exact resume."""
+    out = tmp_path_factory.mktemp("baseline") / "result.json"
+    rc, _, err = finish(start_train(out, DEMO_STEPS, 0.0, env=None))
+    assert rc == 0, err
+    return read_result(out)

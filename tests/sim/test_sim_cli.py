@@ -1,0 +1,80 @@
+"""`gpuswap sim` as a command: registration, exit codes, summary.json, plots."""
+import argparse
+import json
+
+import pytest
+
+from gpuswap.sim import cli
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="gpuswap")
+    sub = parser.add_subparsers()
+    cli.register(sub)
+    return parser.parse_args(["sim", *argv])
+
+
+def test_register_sets_run():
+    args = parse(["--trace", "x.csv"])
+    assert args.func is cli.run and args.policy == "gpuswap"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "/nonexistent.csv"], "cannot open trace"),
+    (["--trace", "{bad}"], "lacks required column"),
+    (["--trace", "{good}", "--policy", "nope"], "unknown policy nope"),
+    (["--trace", "{good}", "--switch-cost", "free"], "unknown switch-cost"),
+])
+def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "good.csv").write_text("submit,duration,gpus\n0,10,1\n")
+    argv = [a.format(bad=tmp_path / "bad.csv", good=tmp_path / "good.csv") for a in argv]
+    assert cli.run(parse(argv)) == 64
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_compare_writes_summary_and_plots(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus,user\n" + "".join(
+        f"{i * 20},{[60, 900, 5000][i % 3]},{1 + (i % 4 == 0)},u{i % 3}\n" for i in range(90)))
+    out = tmp_path / "out"
+    rc = cli.run(parse(["--trace", str(trace), "--compare", "--nodes", "1", "--gpus-per-node", "4",
+                        "--urgent-fraction", "0.5", "--out", str(out)]))
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for policy in ("fifo", "priority", "las", "gandiva", "srtf-oracle", "gpuswap"):
+        s = summary[policy]
+        for key in ("avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "p99_queue_urgent_s",
+                    "makespan_s", "utilization", "preemptions", "switch_gpu_s"):
+            assert key in s
+        assert 0 < s["utilization"] <= 1 and s["avg_jct_s"] >= 60
+    assert summary["srtf-oracle"]["avg_jct_s"] <= summary["fifo"]["avg_jct_s"]
+    assert (out / "jct_cdf.png").stat().st_size > 1000 and (out / "queue_by_class.png").exists()
+    assert "gpuswap" in capsys.readouterr().out
+
+
+def test_measured_switch_costs_come_from_a_daemons_gpus_json(tmp_path, capsys):
+    """`--switch-cost measured:FILE` takes the bandwidths a real daemon measured (`gpuswap gpus
+    --json`), so the simulator can replay a trace with this machine's parking costs."""
+    from gpuswap.sim.costmodel import parse_cost_model
+
+    gpus_json = tmp_path / "gpus.json"
+    gpus_json.write_text(json.dumps({"gpus": [], "bandwidths": {
+        "ram_park_bps": {"bytes_per_s": 50e9, "source": "calibrated"},
+        "ram_resume_bps": {"bytes_per_s": 48e9, "source": "measured: 3 real move(s)"},
+        "disk_write_bps": {"bytes_per_s": 2e9, "source": "calibrated"}}}))
+    m = parse_cost_model(f"measured:{gpus_json}")
+    assert (m.costs.ram_park_bps, m.costs.ram_resume_bps, m.costs.disk_write_bps) == (50e9, 48e9, 2e9)
+    assert m.costs.disk_read_bps == parse_cost_model("gpuswap").costs.disk_read_bps   # default kept
+    assert m.tiers == {"ram", "disk"} and "gpus.json" in m.name
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus\n0,100,1\n10,50,1\n")
+    assert cli.run(parse(["--trace", str(trace), "--switch-cost", f"measured:{gpus_json}",
+                          "--nodes", "1", "--gpus-per-node", "1"])) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bandwidths": {"ram_park_bps": {"bytes_per_s": -1}}}))
+    for spec, message in ((f"measured:{bad}", "must be a positive number"),
+                          (f"measured:{tmp_path / 'missing.json'}", "cannot read it")):
+        assert cli.run(parse(["--trace", str(trace), "--switch-cost", spec])) == 64
+        assert message in capsys.readouterr().err

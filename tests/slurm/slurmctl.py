@@ -1,0 +1,178 @@
+"""A private single-node Slurm (munged, slurmctld, slurmd) started and stopped by the tests.
+
+Two partitions on one node: `high` (PriorityTier 10) preempts `low` (PriorityTier 1) by REQUEUE.
+Everything (config, state, logs, munge key and socket, ports) lives in one temp directory, so it
+neither needs nor touches a system Slurm. Daemons run as root, without cgroups
+(proctrack/linuxproc, task/none), which also works in containers and gVisor-like sandboxes.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+APT_PACKAGES = ["slurm-wlm", "munge"]
+DAEMONS = ("slurmctld", "slurmd", "munged")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_installed() -> str | None:
+    """Install Slurm and munge from apt if missing. Returns why not, or None when ready."""
+    if all(shutil.which(b, path="/usr/sbin:/usr/bin:/sbin:/bin") for b in DAEMONS + ("sbatch",)):
+        return None
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it needs root (apt-get install slurm-wlm munge)"
+    if shutil.which("apt-get") is None:
+        return "Slurm is not installed and there is no apt-get to install it with"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]
+    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"apt-get install {' '.join(APT_PACKAGES)} failed:\n{res.stderr[-3000:]}")
+    return None
+
+
+SLURM_CONF = """\
+ClusterName=gpuswaptest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket={munge_socket},cred_expire=10
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
+SelectType=select/linear
+ReturnToService=2
+JobRequeue=1
+RequeueExit=75
+MinJobAge=600
+KillWait=5
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+# 22.05 spelling; 23.02+ writes PreemptParameters=send_user_signal
+SlurmctldParameters=preempt_send_user_signal
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=low Nodes={host} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=60 MaxTime=30
+PartitionName=high Nodes={host} PriorityTier=10 PreemptMode=OFF MaxTime=30
+"""
+
+
+class SlurmCluster:
+    def __init__(self, root: Path) -> None:
+        self.dir = root
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = root / "slurm.conf"
+        self.munge_dir = root / "munge"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        for k in list(self.env):
+            if k.startswith(("SLURM_", "GPUSWAP_")) and k != "SLURM_CONF":
+                del self.env[k]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for sub in ("state", "spool", "log"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self.munge_dir.mkdir(mode=0o700, exist_ok=True)
+        key = self.munge_dir / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        self._run(["/usr/sbin/munged", "--force", f"--key-file={key}",
+                   f"--socket={self.munge_dir / 'sock'}", f"--pid-file={self.munge_dir / 'pid'}",
+                   f"--log-file={self.munge_dir / 'log'}", f"--seed-file={self.munge_dir / 'seed'}"])
+        self.conf.write_text(SLURM_CONF.format(
+            host=self.host, ctld_port=free_port(), d_port=free_port(), d=self.dir,
+            munge_socket=self.munge_dir / "sock", cpus=os.cpu_count() or 1))
+        self._run(["/usr/sbin/slurmctld", "-i"])
+        self._run(["/usr/sbin/slurmd", "-N", self.host])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            res = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+            if res.returncode == 0 and res.stdout.split() and all(
+                    s.rstrip("*") == "idle" for s in res.stdout.split()):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm node never became idle:\n{self.logs()}")
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
+        for pidfile in (self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.munge_dir / "pid"):
+            try:
+                pid = int(pidfile.read_text().strip())
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError):
+                continue
+            for _ in range(50):
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.1)
+
+    def _run(self, cmd: list[str]) -> None:
+        res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed ({res.returncode}): {res.stderr}\n{self.logs()}")
+
+    def logs(self) -> str:
+        out = []
+        for f in (self.dir / "log" / "slurmctld.log", self.dir / "log" / "slurmd.log", self.munge_dir / "log"):
+            if f.exists():
+                out.append(f"== {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-25:]))
+        return "\n".join(out)
+
+    # -- client commands -------------------------------------------------------------------
+    def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+        res = subprocess.run(["sbatch", "--parsable", *args], env=env or self.env, cwd=cwd,
+                             capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {res.stderr}")
+        return res.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+        res = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env,
+                             capture_output=True, text=True, timeout=30)
+        fields: dict[str, str] = {}
+        for word in res.stdout.split():
+            k, _, v = word.partition("=")
+            fields.setdefault(k, v)
+        return fields
+
+    def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} not in {states} after {timeout}s: {info}\n{self.logs()}")

@@ -1,0 +1,276 @@
+"""The web dashboard in a real headless Chromium (Debian's), against a real daemon and real jobs.
+
+Root watches an urgent job preempt its long job, then pauses and resumes that job by clicking,
+and sees the page report a daemon restart and recover from it.
+`nobody`, in a second browser context with its own token, sees root's job but has no buttons for
+it, is refused its job page, and is refused a hand-made pause request. Screenshots of each step
+land in the test's tmp dir (printed at the end; kept by pytest under its basetemp).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from webtools import Web, start_web
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
+
+
+def _ensure_chromium() -> None:
+    if os.path.exists(CHROMIUM):
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"BROWSER TESTS NOT RUN: {CHROMIUM} is missing and apt-get cannot install it here "
+                    "(run `apt-get install -y chromium` as root)")
+    r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"], capture_output=True,
+                       text=True, timeout=900, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    if r.returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
+        r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+                           capture_output=True, text=True, timeout=900,
+                           env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    assert r.returncode == 0 and os.path.exists(CHROMIUM), f"installing chromium failed:\n{r.stdout}\n{r.stderr}"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    _ensure_chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def train(out: Path, steps: int, step_time: float) -> list[str]:
+    return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
+            "--out", str(out)]
+
+
+class Page:
+    """One signed-in browser tab, with screenshots numbered in the order they are taken."""
+
+    def __init__(self, browser: Any, web: Web, token: str, shots: Path, who: str):
+        self.ctx = browser.new_context(viewport={"width": 1400, "height": 900})
+        self.page = self.ctx.new_page()
+        self.page.set_default_timeout(30_000)
+        self.shots, self.who, self.n = shots, who, 0
+        self.page.goto(f"{web.url}/ui/#token={token}")
+
+    def row(self, job_id: int) -> Any:
+        return self.page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+
+    def expect_state(self, job_id: int, text: str) -> None:
+        from playwright.sync_api import expect
+
+        expect(self.row(job_id).locator(".state")).to_contain_text(text, timeout=60_000)
+
+    def shot(self, name: str) -> Path:
+        self.n += 1
+        path = self.shots / f"{self.who}-{self.n:02d}-{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+@pytest.mark.timeout(900)   # the first run may install chromium with apt (a minute or two)
+def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home, tmp_path):
+    from playwright.sync_api import expect
+
+    web = start_web(make_daemon, "1x80GiB")
+    d = web.daemon
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    long_id = d.submit(train(home / "long.json", 4000, 0.02), name="long-train", priority="low", mem="20GiB")
+    d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
+
+    root = Page(browser, web, web.token(), shots, "root")
+    p = root.page
+    assert "#token" not in p.url                     # the secret is dropped from the address bar
+    expect(p.locator("#sim")).to_be_visible()
+    expect(p.locator("#who")).to_contain_text("root")
+    root.expect_state(long_id, "RUNNING")
+    expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text("simulated")
+    expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text(f"job {long_id}")
+    root.shot("long-job-running")
+
+    # An urgent job arrives: the page shows the long job parked in RAM and the urgent one on the GPU.
+    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(4); print('eval ok')"],
+                      name="urgent-eval", priority="urgent")
+    root.expect_state(long_id, "PAUSED")
+    expect(root.row(long_id).locator(".where")).to_have_text("parked in RAM")
+    expect(root.row(urgent)).to_contain_text("urgent")
+    expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text(f"job {urgent}")
+    expect(p.locator("#ram-text")).to_have_text(re.compile(r"^[1-9][\d.]* \w+ parked of a .* budget"))
+    reason = root.row(long_id).locator(".reason .code")
+    expect(reason).to_have_text("Resources")
+    root.shot("urgent-preempted-long")
+
+    # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.
+    root.expect_state(urgent, "COMPLETED")
+    root.expect_state(long_id, "RUNNING")
+    root.row(long_id).locator('button[data-action="pause"]').click()
+    expect(p.locator("#flash")).to_contain_text(f"job {long_id}: pause requested")
+    root.expect_state(long_id, "(held)")
+    expect(root.row(long_id).locator(".reason .code")).to_have_text("JobHeldUser")
+    root.expect_state(long_id, "PAUSED")
+    root.shot("paused-by-click")
+    expect(p.locator("#flash")).to_be_hidden(timeout=15_000)     # an action's message fades
+    assert d.job(long_id)["held"] is True
+    root.row(long_id).locator('button[data-action="resume"]').click()
+    root.expect_state(long_id, "RUNNING")
+    assert d.job(long_id)["held"] is False
+
+    # The daemon restarts: the page says it lost the daemon, and stops saying so once it answers.
+    d.stop()
+    expect(p.locator("#flash")).to_contain_text("lost the daemon", timeout=15_000)
+    expect(p.locator("#live")).to_have_class(re.compile(r"\bstale\b"), timeout=15_000)
+    root.shot("daemon-down")
+    d.start()
+    expect(p.locator("#flash")).to_be_hidden(timeout=15_000)
+    expect(p.locator("#live")).not_to_have_class(re.compile(r"\bstale\b"), timeout=15_000)
+    root.expect_state(long_id, "RUNNING")
+
+    # The job page: event timeline and log tail.
+    p.locator(f'#jobs tr[data-job-id="{long_id}"] a').click()
+    expect(p.locator("#job-events")).to_contain_text("parked in RAM")
+    expect(p.locator("#job-events")).to_contain_text("resume requested by root")
+    expect(p.locator("#job-title")).to_contain_text("long-train")
+    root.shot("job-page")
+    p.goto(f"{web.url}/ui/#/job/{urgent}")
+    expect(p.locator("#job-log")).to_contain_text("eval ok")     # the log tail
+    expect(p.locator("#job-events")).to_contain_text("exited with code 0")
+    p.goto(f"{web.url}/ui/#/")
+
+    # Another user: sees root's job (owner, state) but cannot act on it in any way.
+    other = Page(browser, web, web.token("nobody"), shots, "nobody")
+    q = other.page
+    with web.http(web.token("nobody")) as c:
+        mine = c.post("/v1/jobs", json={"argv": ["sleep", "60"], "cwd": "/tmp", "name": "nobodys-job",
+                                        "env": {"PATH": "/usr/bin:/bin"}}).json()["id"]
+    expect(q.locator("#who")).to_contain_text("nobody")
+    # nobody's normal-priority job outranks root's low one: root's job is parked for it.
+    other.expect_state(mine, "RUNNING")
+    other.expect_state(long_id, "PAUSED")
+    expect(other.row(long_id).locator(".where")).to_have_text("parked in RAM")
+    expect(other.row(long_id).locator(".owner")).to_have_text("root")
+    expect(other.row(long_id).locator("button")).to_have_count(0)
+    expect(other.row(long_id)).to_contain_text("(other user)")
+    expect(other.row(mine).locator('button[data-action="cancel"]')).to_be_visible()
+    other.shot("other-users-view")
+    q.goto(f"{web.url}/ui/#/job/{long_id}")
+    expect(q.locator("#flash")).to_contain_text(f"cannot show job {long_id}: no job {long_id}")
+    expect(q.locator("#job-actions button")).to_have_count(0)
+    other.shot("other-users-job-refused")
+    status = q.evaluate("""async (id) => (await fetch(`/v1/jobs/${id}/pause`, {method: "POST",
+        headers: {Authorization: `Bearer ${sessionStorage.getItem("gpuswap.token")}`,
+                  "Content-Type": "application/json"}, body: JSON.stringify({to: "ram"})})).status""", long_id)
+    assert status == 404
+    assert d.job(long_id)["held"] is False
+    q.goto(f"{web.url}/ui/#/")
+    other.row(mine).locator('button[data-action="cancel"]').click()
+    other.expect_state(mine, "CANCELLED")
+    other.expect_state(long_id, "RUNNING")       # root's job takes the GPU back
+    other.shot("own-job-cancelled")
+
+    # A bad token lands on the sign-in form with a visible message.
+    bad = Page(browser, web, "gst_000000000000_" + "A" * 43, shots, "badtoken")
+    expect(bad.page.locator("#login")).to_be_visible()
+    expect(bad.page.locator("#flash")).to_contain_text("token was refused")
+    bad.shot("refused")
+    for pg in (root, other, bad):
+        pg.ctx.close()
+    d.cli("cancel", str(long_id))
+    print(f"\nscreenshots: {shots}")
+    assert len(list(shots.glob("*.png"))) == 9
+
+
+XSS_NAME = '<img src=x onerror="window.__xss=1">'
+XSS_ARG = '<svg onload="window.__xss=2"></svg><script>window.__xss=3</script>'
+
+
+def test_dashboard_shows_user_text_as_text_and_runs_none_of_it(browser, make_daemon, tmp_path):
+    """Job names, commands and log lines are other users' words: the page shows them verbatim and
+    never parses them as HTML; and the CSP blocks inline script even where HTML does get in."""
+    from playwright.sync_api import expect
+
+    web = start_web(make_daemon, "1x80GiB")
+    d = web.daemon
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    job = d.submit([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(60)",
+                    XSS_ARG], name=XSS_NAME)
+    d.until(job, lambda j: j["state"] == "RUNNING")
+    pg = Page(browser, web, web.token(), shots, "xss")
+    p = pg.page
+    csp_errors: list[str] = []
+    p.on("console", lambda m: csp_errors.append(m.text) if "Content Security Policy" in m.text else None)
+    p.reload()                         # the token is in sessionStorage now; watch the page's own load
+    pg.expect_state(job, "RUNNING")
+    assert p.evaluate("document.querySelector('#ram .bar > span').style.width").endswith("%")
+    expect(pg.row(job).locator("a")).to_have_text(XSS_NAME)
+    expect(p.locator("#overview img, #overview svg, #overview script")).to_have_count(0)
+    pg.shot("overview")
+    pg.row(job).locator("a").click()
+    expect(p.locator("#job-title")).to_contain_text(XSS_NAME)
+    expect(p.locator("#job-facts")).to_contain_text(XSS_ARG)          # the command
+    expect(p.locator("#job-log")).to_contain_text(XSS_ARG)            # the log tail
+    expect(p.locator("#jobpage img, #jobpage svg, #jobpage script")).to_have_count(0)
+    pg.shot("job-page")
+    assert p.evaluate("typeof window.__xss") == "undefined"
+    assert not csp_errors, csp_errors  # the page itself needs nothing the CSP forbids
+
+    # Defence in depth: HTML forced into the page still runs no inline handler (CSP script-src 'self').
+    p.evaluate("""() => {
+        document.addEventListener("securitypolicyviolation", (e) => { window.__csp = e.effectiveDirective; });
+        document.body.insertAdjacentHTML("beforeend", '<img id="probe" src="x" onerror="window.__xss=4">');
+    }""")
+    p.wait_for_function("window.__csp !== undefined && document.getElementById('probe').complete")
+    assert p.evaluate("window.__csp").startswith("script-src")
+    assert p.evaluate("typeof window.__xss") == "undefined"
+    assert csp_errors                  # and the console listener above does see violations
+    pg.ctx.close()
+    d.cli("cancel", str(job))
+
+
+def test_dashboard_refused_pause_shows_the_reason(browser, make_daemon, tmp_path):
+    """A pause the daemon refuses (409 with a reason) is reported as refused, with that reason,
+    never as 'pause requested'."""
+    from playwright.sync_api import expect
+
+    web = start_web(make_daemon, "1x80GiB", "--pause-timeout", "1")
+    d = web.daemon
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    # No gpuswap runtime and cooperative parking only: the first pause times out and leaves it
+    # running, after which every pause is refused.
+    job = d.submit(["sleep", "60"], name="no-runtime", pause_mode="cooperative")
+    d.state(job, "RUNNING")
+    pg = Page(browser, web, web.token(), shots, "refused")
+    p = pg.page
+    pg.expect_state(job, "RUNNING")
+    pg.row(job).locator('button[data-action="pause"]').click()
+    expect(p.locator("#flash")).to_contain_text(f"job {job}: pause requested — now PAUSING")
+    d.until(job, lambda j: any("cannot park" in e["reason"] for e in j["events"]))
+    expect(p.locator("#flash")).to_be_hidden(timeout=15_000)
+    pause = pg.row(job).locator('button[data-action="pause"]')
+    expect(pause).to_be_visible()
+    pause.click()
+    flash = p.locator("#flash")
+    expect(flash).to_contain_text(f"cannot pause job {job}: job {job} cannot be parked")
+    expect(flash).to_contain_text("no safepoint")
+    expect(flash).not_to_contain_text("requested")
+    expect(flash).not_to_have_class(re.compile(r"\bok\b"))
+    pg.shot("pause-refused")
+    assert d.job(job)["state"] == "RUNNING" and d.job(job)["held"] is False
+    pg.ctx.close()
+    d.cli("cancel", str(job))

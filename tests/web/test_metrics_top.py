@@ -1,0 +1,233 @@
+"""`/metrics` and `gpuswap top` against a real daemon in which an urgent job preempts a long one."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from webtools import Web, start_web, web  # noqa: F401  (fixture)
+
+
+def train_cmd(out, steps: int, step_time: float) -> list[str]:
+    return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
+            "--out", str(out)]
+
+
+def scrape(web: Web, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with web.http(token) as c:
+        r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+@pytest.fixture
+def preempted(make_daemon, home):
+    """One GPU: a long low-priority job is parked in RAM for an urgent one, which then finishes."""
+    web = start_web(make_daemon, "1x80GiB")
+    d = web.daemon
+    long_id = d.submit(train_cmd(home / "long.json", 3000, 0.02), name="long", priority="low", mem="20GiB")
+    d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
+    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(2)"], name="urgent", priority="urgent")
+    d.state(long_id, "PAUSED")
+    return web, long_id, urgent
+
+
+def test_metrics_reflect_preemption_and_survive_restart(preempted):
+    web, long_id, urgent = preempted
+    token = web.token()
+    with web.http(None) as anon:
+        assert anon.get("/metrics").status_code == 401
+    m = scrape(web, token)
+    assert m[("gpuswap_jobs", (("priority", "low"), ("state", "PAUSED")))] == 1
+    assert m[("gpuswap_gpu_assigned_job", (("gpu", "0"), ("job_id", str(urgent)), ("state", "RUNNING")))] == 1
+    assert m[("gpuswap_gpu_memory_total_bytes", (("gpu", "0"), ("simulated", "true")))] == 80 * 2**30
+    key = ("gpuswap_preemptions_total", (("initiator", "policy"), ("mechanism", "cooperative"), ("tier", "ram")))
+    assert m[key] == 1
+    assert m[("gpuswap_park_duration_seconds_count", (("tier", "ram"),))] == 1
+    assert m[("gpuswap_parked_bytes", (("tier", "ram"),))] > 0
+    assert m[("gpuswap_ram_budget_bytes", ())] > 0
+    assert m[("gpuswap_queue_wait_seconds_count", ())] == 2
+    d = web.daemon
+    d.state(urgent, "COMPLETED", timeout=60)
+    d.state(long_id, "RUNNING", timeout=60)
+    m = scrape(web, token)
+    assert m[("gpuswap_resume_duration_seconds_count", (("tier", "ram"),))] == 1
+    assert m[("gpuswap_jobs_finished_total", (("state", "COMPLETED"),))] == 1
+    assert m[("gpuswap_fair_share_usage_gpu_seconds", (("user", "root"),))] > 0
+    d.stop()
+    d.start()     # counters are folded from the durable event log: a restart keeps them
+    m = scrape(web, token)
+    assert m[key] == 1 and m[("gpuswap_jobs_finished_total", (("state", "COMPLETED"),))] == 1
+    d.cli("cancel", str(long_id))
+
+
+def test_metrics_count_a_spill_to_disk_and_the_disk_restart(make_daemon, home):
+    """RAM park, then spill to disk, then resume: one RAM preemption, one spill, a disk park and
+    a disk resume; nothing of the restart is counted under the RAM tier."""
+    web = start_web(make_daemon, "1x80GiB")
+    d, token = web.daemon, web.token()
+    job = d.submit(train_cmd(home / "s.json", 3000, 0.02), name="s")
+    d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    assert d.cli("pause", str(job)).returncode == 0
+    d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    assert d.cli("pause", "--to", "disk", str(job)).returncode == 0
+    d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
+    m = scrape(web, token)
+    ram_key = ("gpuswap_preemptions_total", (("initiator", "user"), ("mechanism", "cooperative"), ("tier", "ram")))
+    assert m[ram_key] == 1
+    assert not [k for k in m if k[0] == "gpuswap_preemptions_total" and ("tier", "disk") in k[1]]
+    assert m[("gpuswap_spills_total", (("initiator", "user"),))] == 1
+    assert m[("gpuswap_spills_total", (("initiator", "policy"),))] == 0
+    assert m[("gpuswap_park_duration_seconds_count", (("tier", "ram"),))] == 1
+    assert m[("gpuswap_park_duration_seconds_count", (("tier", "disk"),))] == 1
+    assert m[("gpuswap_parked_bytes", (("tier", "disk"),))] > 0
+    assert d.cli("resume", str(job)).returncode == 0
+    d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    m = scrape(web, token)
+    assert m[("gpuswap_resume_duration_seconds_count", (("tier", "disk"),))] == 1
+    assert m[("gpuswap_resume_duration_seconds_count", (("tier", "ram"),))] == 0
+    d.stop()
+    d.start()     # the refold from the event log agrees
+    m2 = scrape(web, token)
+    for key in (("gpuswap_spills_total", (("initiator", "user"),)),
+                ("gpuswap_park_duration_seconds_count", (("tier", "disk"),)),
+                ("gpuswap_resume_duration_seconds_count", (("tier", "disk"),)), ram_key):
+        assert m2[key] == m[key], key
+    d.cli("cancel", str(job))
+
+
+def test_overview_and_top_once_show_the_parked_job(preempted):
+    web, long_id, urgent = preempted
+    with web.http(web.token()) as c:
+        o = c.get("/v1/overview").json()
+    j = next(j for j in o["jobs"] if j["id"] == long_id)
+    assert j["state"] == "PAUSED" and j["tier"] == "ram" and j["parked_bytes"] > 0
+    assert j["pending_reason"] in ("Resources", "Priority")
+    assert o["gpus"][0]["jobs"] == [urgent] and o["ram"]["parked"] == j["parked_bytes"]
+    assert o["fair_share"][0]["user"] == "root"
+    out = web.daemon.cli("top", "--once")
+    assert out.returncode == 0, out.stderr
+    for text in ("SIMULATED GPUs", "long", "urgent", "PAUSED", "RAM", "host RAM parked", "fair share", "root"):
+        assert text in out.stdout, (text, out.stdout)
+    web.daemon.cli("cancel", str(long_id))
+
+
+def test_top_once_shows_markup_in_names_verbatim(daemon):
+    """Job names are the users' words: rich markup in them is shown as text, never parsed
+    ("[/x]" used to crash `top` with a MarkupError; "[bold]x" was rendered as bold "x")."""
+    names = ["[/x]", "[bold]x", "[red]r[/red]", "[link=http://e.x]y"]
+    ids = [daemon.submit(["sleep", "30"], name=n) for n in names]
+    out = daemon.cli("top", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "MarkupError" not in out.stderr
+    for n in names:
+        assert n in out.stdout, (n, out.stdout)
+    for i in ids:
+        daemon.cli("cancel", str(i))
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_live_in_tmux_refreshes_and_quits_on_q(web):
+    job = web.daemon.submit(["sleep", "30"], name="tmux-visible")
+    session = f"gstop{os.getpid()}"
+    cmd = f"GPUSWAP_HOME={web.daemon.home} {sys.executable} -m gpuswap.cli.main top"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd], check=True)
+    try:
+        seen = ""
+        for _ in range(100):
+            seen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+            if "tmux-visible" in seen and "RUNNING" in seen:
+                break
+            time.sleep(0.1)
+        assert "tmux-visible" in seen and "q quits" in seen, seen
+        first = seen
+        time.sleep(2.2)
+        assert subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                              text=True).stdout != first     # the clock and times in state moved
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        for _ in range(50):
+            if subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("gpuswap top did not quit on q")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        web.daemon.cli("cancel", str(job))
+
+
+
+def _pane_shows(session: str, want, timeout: float = 20) -> str:
+    """The tmux pane's text once `want(text)` holds (fails after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+        if want(seen):
+            return seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_live_survives_a_daemon_restart(daemon):
+    """The live view says the daemon is gone and keeps retrying, then shows the jobs again;
+    without a daemon from the start it exits 69, as `--once` does."""
+    job = daemon.submit(["sleep", "60"], name="outlives-restart")
+    session = f"gstopr{os.getpid()}"
+    rc_file = daemon.home / "top.rc"
+    cmd = (f"GPUSWAP_HOME={daemon.home} {sys.executable} -m gpuswap.cli.main top --interval 0.2; "
+           f"echo $? > {rc_file}; sleep 30")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd], check=True)
+    try:
+        _pane_shows(session, lambda t: "outlives-restart" in t and "RUNNING" in t)
+        daemon.stop()
+        seen = _pane_shows(session, lambda t: "daemon unavailable — retrying" in t)
+        assert "outlives-restart" in seen      # the last picture stays under the banner
+        time.sleep(1)
+        assert not rc_file.exists()            # still running, still retrying
+        daemon.start()
+        _pane_shows(session, lambda t: "outlives-restart" in t and "unavailable" not in t)
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while not (rc_file.exists() and rc_file.read_text().strip()):
+            assert time.monotonic() < deadline, "gpuswap top did not quit on q"
+            time.sleep(0.1)
+        assert rc_file.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    daemon.cli("cancel", str(job))
+    daemon.stop()
+    assert daemon.cli("top", "--once").returncode == 69
+    rc_file.unlink()
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd], check=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (rc_file.exists() and rc_file.read_text().strip()):
+            assert time.monotonic() < deadline, "gpuswap top did not exit without a daemon"
+            time.sleep(0.1)
+        assert rc_file.read_text().strip() == "69"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def _file_becomes(path, content: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text() == content):
+        assert time.monotonic() < deadline, (path, path.read_text() if path.exists() else "missing")
+        time.sleep(0.2)
+
+
+def test_dcgm_job_mapping_files_follow_the_jobs(make_daemon, tmp_path):
+    mapdir = tmp_path / "dcgm"
+    web = start_web(make_daemon, "2x80GiB", "--dcgm-job-mapping-dir", str(mapdir))
+    job = web.daemon.submit(["sleep", "30"], name="mapped")
+    gpu = web.daemon.state(job, "RUNNING")["assigned_gpus"][0]
+    _file_becomes(mapdir / str(gpu), f"{job}\n")
+    _file_becomes(mapdir / str(1 - gpu), "")
+    web.daemon.cli("cancel", str(job))
+    _file_becomes(mapdir / str(gpu), "")
