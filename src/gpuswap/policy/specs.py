@@ -68,7 +68,12 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     """
     q = bisect_right(ctx.config.las_thresholds_gpu_s if thresholds is None else thresholds,
                      job.attained_gpu_s)       # 0 below the first threshold (or with none)
-    return 0 if q and starving(job, ctx) else q
+    # starving(job, ctx), inlined: this runs for every job on every call of the simulator
+    if q and job.phase in _WAITING:
+        run_s = job.run_s
+        if run_s > 0 and ctx.now - job.phase_since >= ctx.config.las_starvation_factor * run_s:
+            return 0
+    return q
 
 
 def starving(job: JobView, ctx: Ctx) -> bool:
@@ -178,8 +183,10 @@ def _gs_order(j: JobView, c: Ctx) -> Key:
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
     jobs that ordering caused ~290k preemptions).
     """
+    weight = j.weight                # share_key(c.usage, j.user, j.weight), inlined: hot
     return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s),   # gs_band, one call less: hot
-            share_key(c.usage, j.user, j.weight), j.attained_gpu_s, j.submit_time, j.id)
+            c.usage.get(j.user, 0.0) / (weight if weight > 1e-9 else 1e-9), j.attained_gpu_s,
+            j.submit_time, j.id)
 
 
 def _gs_level(j: JobView, c: Ctx) -> Key:
