@@ -2,7 +2,7 @@
 import pytest
 
 from gpuswap.jobs import Priority
-from gpuswap.policy import POLICIES, Pause, Phase, PolicyConfig, Resume, Spill, Start, decide
+from gpuswap.policy import POLICIES, Pause, Phase, PolicyConfig, Resume, Spill, Start, SwitchCosts, decide
 from policy_helpers import GiB, gpus, job, kinds, snap
 
 PREEMPTIVE = [p for p in POLICIES if p != "fifo"]
@@ -126,3 +126,29 @@ def test_ram_parked_job_relocates_via_disk_when_its_node_is_full():
     ram_only = job("p", Phase.PAUSED, parked="ram", parked_bytes=4 * GiB, node="n0", since=5,
                    tiers=frozenset({"ram"}))
     assert decide(snap(100, gpus(1, nodes=2), [ram_only, busy]), "gpuswap") == []
+
+
+def test_batch_orders_and_levels_equal_the_per_job_rules():
+    """Specs may give batch forms of `order` and `level` for speed; they must give the same keys
+    (waiting jobs with and without starvation promotion, running jobs across the bands)."""
+    import random
+
+    from gpuswap.policy.specs import SPECS, Ctx
+
+    rng = random.Random(7)
+    cfg = PolicyConfig()
+    ctx = Ctx(1e6, cfg, SwitchCosts(), {"a": 5e4, "b": 1e3})
+    waiting, running = [], []
+    for i in range(300):
+        attained = rng.choice([0.0, rng.uniform(0, 2e6)])
+        run_s = attained / max(1, i % 4)
+        common = dict(prio=rng.choice(list(Priority)), user=rng.choice("abc"), attained=attained,
+                      run_s=run_s, submit=rng.uniform(0, 1e5), since=rng.uniform(0, 1e6))
+        waiting.append(job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), **common))
+        running.append(job(f"r{i}", Phase.RUNNING, assigned=(0,), **common))
+    assert any(s.orders or s.running_levels for s in SPECS.values())
+    for spec in SPECS.values():
+        if spec.orders:
+            assert spec.orders(waiting, ctx) == [spec.order(j, ctx) for j in waiting], spec.name
+        if spec.running_levels:
+            assert spec.running_levels(running, ctx) == [spec.level(j, ctx) for j in running], spec.name

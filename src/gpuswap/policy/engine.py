@@ -45,7 +45,8 @@ class _Round:
 
     def run(self) -> list[Decision]:
         spec, ctx, cl = self.spec, self.ctx, self.cl
-        keyed = [(spec.order(j, ctx), j) for j in cl.waiting]
+        jobs = cl.waiting
+        keyed = list(zip(spec.orders(jobs, ctx) if spec.orders else [spec.order(j, ctx) for j in jobs], jobs))
         keyed.sort(key=itemgetter(0))
         waiting = [j for _, j in keyed]
         cl.set_order(waiting)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Optional
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from gpuswap.jobs import Priority
 from gpuswap.policy.fairshare import share_key
@@ -44,6 +44,10 @@ class Spec:
     # rank at least as high, and does not look again: the simulator's queues are long.
     benefit_rank: Callable[[JobView, Ctx], tuple[Hashable, float]] = lambda w, c: ((), 0.0)
     sim_only: bool = False
+    # Optional batch forms of `order` (waiting jobs) and `level` (RUNNING jobs only), same values:
+    # the engine calls them over every job on every call, where a call per job is the cost.
+    orders: Optional[Callable[[Sequence[JobView], Ctx], list[Key]]] = None
+    running_levels: Optional[Callable[[Sequence[JobView], Ctx], list[Key]]] = None
     level_prefix: int = 0     # when > 0, a waiting job's level is order(...)[:level_prefix] (saves a call)
 
 
@@ -176,21 +180,46 @@ def gs_band(j: JobView, c: Ctx) -> int:
     return las_queue(j, c, c.config.gpuswap_bands_gpu_s)
 
 
-def _gs_order(j: JobView, c: Ctx) -> Key:
+def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """Class, then LAS band, then the least-served user (decayed usage / weight), then attained service.
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
     jobs that ordering caused ~290k preemptions).
+
+    All waiting jobs at once, with `gs_band` and `share_key` written out: the simulator computes
+    this for every waiting job on every call.
     """
-    weight = j.weight                # share_key(c.usage, j.user, j.weight), inlined: hot
-    return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s),   # gs_band, one call less: hot
-            c.usage.get(j.user, 0.0) / (weight if weight > 1e-9 else 1e-9), j.attained_gpu_s,
-            j.submit_time, j.id)
+    bands, usage, now = c.config.gpuswap_bands_gpu_s, c.usage, c.now
+    factor = c.config.las_starvation_factor
+    out = []
+    for j in jobs:
+        attained, run_s, weight = j.attained_gpu_s, j.run_s, j.weight
+        band = bisect_right(bands, attained)
+        if band and j.phase in _WAITING and run_s > 0 and now - j.phase_since >= factor * run_s:
+            band = 0                 # starving: promoted (las_queue)
+        out.append((-j.priority, band, usage.get(j.user, 0.0) / (weight if weight > 1e-9 else 1e-9),
+                    attained, j.submit_time, j.id))
+    return out
+
+
+def _gs_order(j: JobView, c: Ctx) -> Key:
+    return _gs_orders((j,), c)[0]
 
 
 def _gs_level(j: JobView, c: Ctx) -> Key:
     return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s))   # gs_band, one call less: hot
+
+
+def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_class: bool):
+    """Levels of RUNNING jobs at once, (band,) or (class, band): a running job is never starving,
+    so its band is its attained service against the thresholds (las_queue without promotion)."""
+    def levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
+        th = thresholds(c.config)
+        if by_class:
+            return [(-j.priority, bisect_right(th, j.attained_gpu_s)) for j in running]
+        return [(bisect_right(th, j.attained_gpu_s),) for j in running]
+    return levels
 
 
 def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
@@ -232,11 +261,13 @@ SPECS: dict[str, Spec] = {
     "fifo": Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why),
     "priority": Spec("priority", True, _prio_order, _prio_level, _prio_victim, _prio_why,
                      level_prefix=1),
-    "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1),
+    "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1,
+                running_levels=_band_levels(lambda cfg: cfg.las_thresholds_gpu_s, by_class=False)),
     "gandiva": Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why),
     "srtf-oracle": Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
                         sim_only=True, level_prefix=1),
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                     benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
-                    level_prefix=2),
+                    level_prefix=2, orders=_gs_orders,
+                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_gpu_s, by_class=True)),
 }

@@ -48,7 +48,7 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
     ok = [v for v in cl.running if v.preemptible and v.tiers
           and (v.phase_since if v.last_start is None else v.last_start) <= protect_after]
     level, node_of, job_node = spec.level, cl.node_of, cl.job_node
-    levels = [level(v, ctx) for v in ok]
+    levels = spec.running_levels(ok, ctx) if spec.running_levels else [level(v, ctx) for v in ok]
     by_node: dict[str, list[Victim]] = defaultdict(list)
     for v, lv in zip(ok, levels):
         node = node_of.get(v.assigned[0]) if v.assigned else None
