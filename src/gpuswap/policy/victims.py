@@ -8,7 +8,6 @@ when the benefit beats the cost.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
@@ -37,9 +36,9 @@ def under_switch_cap(v: JobView, cost: float, snap: Snapshot) -> bool:
     return life <= 0 or (v.switch_s + cost) / life <= snap.config.max_switch_fraction
 
 
-def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
+def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[list[JobView], list[tuple]]:
     """Running jobs that may be paused at all (runtime attached, preemptible, past the minimum
-    runtime), per node, with the highest level among them.
+    runtime), with their levels.
 
     Comprehensions rather than one loop: this runs on most calls of a busy cluster, over every
     running job, and is the simulator's hottest path.
@@ -47,15 +46,18 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
     protect_after = snap.now - snap.config.min_runtime_s
     ok = [v for v in cl.running if v.preemptible and v.tiers
           and (v.phase_since if v.last_start is None else v.last_start) <= protect_after]
-    level, node_of, job_node = spec.level, cl.node_of, cl.job_node
-    levels = spec.running_levels(ok, ctx) if spec.running_levels else [level(v, ctx) for v in ok]
-    by_node: dict[str, list[Victim]] = defaultdict(list)
-    for v, lv in zip(ok, levels):
+    return ok, (spec.running_levels(ok, ctx) if spec.running_levels else [spec.level(v, ctx) for v in ok])
+
+
+def by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[Victim]]:
+    out: dict[str, list[Victim]] = defaultdict(list)
+    node_of, job_node = cl.node_of, cl.job_node
+    for v, lv in zip(jobs, levels):
         node = node_of.get(v.assigned[0]) if v.assigned else None
         if node is None:
             node = job_node(v)
-        by_node[node].append(Victim(v, node, lv))
-    return by_node, (max(levels) if levels else None)
+        out[node].append(Victim(v, node, lv))
+    return out
 
 
 def scored(victims: list[Victim], cl: ClusterState, snap: Snapshot, spec: Spec,
@@ -128,11 +130,18 @@ class Preemption:
 
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
-        self.by_node, self.max_level = eligible(snap, spec, ctx, cl)
+        self._eligible = eligible(snap, spec, ctx, cl)
+        self._by_node: Optional[dict[str, list[Victim]]] = None   # built on first plan: ~half never need it
+        self.max_level = max(self._eligible[1]) if self._eligible[1] else None
         self.ranked: dict[str, list[tuple[tuple, Victim]]] = {}   # per node, until a pause there
         self.groups: Optional[list[list]] = None      # [level, members, ranked members or None], level desc
         self.room_at: dict[tuple, int] = {}           # level -> most GPUs one node could free for it
-        self.ladders: Optional[dict[str, tuple[list, list[int]]]] = None
+
+    @property
+    def by_node(self) -> dict[str, list[Victim]]:
+        if self._by_node is None:
+            self._by_node = by_node(*self._eligible, self.cl)
+        return self._by_node
 
     def _ranked(self, node: str) -> list[tuple[tuple, Victim]]:
         r = self.ranked.get(node)
@@ -171,26 +180,17 @@ class Preemption:
         everywhere = nodes is cl.nodes
         room = self.room_at.get(lw) if everywhere else None
         if room is None:
-            if self.ladders is None:        # per node: victims' levels ascending, GPUs at or above each
-                self.ladders = {}
-                for n, cs in self.by_node.items():
-                    cs = sorted(cs, key=lambda c: c.level)
-                    above, acc = [0] * len(cs), 0
-                    for i in range(len(cs) - 1, -1, -1):
-                        acc += len(cs[i].job.assigned)
-                        above[i] = acc
-                    self.ladders[n] = ([c.level for c in cs], above)
-            best = 0
-            for n in nodes:
-                r = len(cl.free[n]) + len(cl.pending[n])
-                ladder = self.ladders.get(n)
-                if ladder is not None:
-                    i = bisect_right(ladder[0], lw)         # first victim with a higher level
-                    r += ladder[1][i] if i < len(ladder[1]) else 0
-                best = max(best, r)
-            room = best
+            by_node, free, pending = self.by_node, cl.free, cl.pending
+            room = 0
+            for n in nodes:                 # a node holds a handful of victims: no index pays off
+                r = len(free[n]) + len(pending[n])
+                for c in by_node.get(n, ()):
+                    if lw < c.level:
+                        r += len(c.job.assigned)
+                if r > room:
+                    room = r
             if everywhere:
-                self.room_at[lw] = best
+                self.room_at[lw] = room
         return room
 
     def plan_for_gpus(self, w: JobView, lw: tuple, node: str, gpus: set[int]) -> Optional[Chosen]:
