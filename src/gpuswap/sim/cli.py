@@ -74,17 +74,25 @@ def run(args: argparse.Namespace) -> int:
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
 
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     summaries, results = {}, {}
-    for name in policies:
-        t0 = time.perf_counter()
-        try:
-            r = simulate(trace.jobs, name, cluster=cluster, cost_model=model, config=config,
-                         tick_s=args.tick)
-        except SimError as e:
-            print(f"gpuswap sim: internal error under policy {name}: {e}", file=sys.stderr)
-            return EX_SOFTWARE
-        results[name] = r
-        summaries[name] = summarize(r) | {"wall_s": round(time.perf_counter() - t0, 2)}
+    # Progress on stderr, and only on a terminal: a full-trace run takes minutes per policy.
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("jobs finished"), TimeElapsedColumn(), transient=True,
+                  disable=not sys.stderr.isatty()) as bar:
+        for name in policies:
+            task = bar.add_task(f"simulating {name}", total=len(trace.jobs))
+            t0 = time.perf_counter()
+            try:
+                r = simulate(trace.jobs, name, cluster=cluster, cost_model=model, config=config,
+                             tick_s=args.tick, progress=lambda done, _, t=task: bar.update(t, completed=done))
+            except SimError as e:
+                print(f"gpuswap sim: internal error under policy {name}: {e}", file=sys.stderr)
+                return EX_SOFTWARE
+            bar.remove_task(task)
+            results[name] = r
+            summaries[name] = summarize(r) | {"wall_s": round(time.perf_counter() - t0, 2)}
     gpus = args.nodes * args.gpus_per_node
     title = (f"{len(trace.jobs):,} jobs on {args.nodes}x{args.gpus_per_node} = {gpus} GPUs, "
              f"switch cost {model.name}, seed {args.seed}")

@@ -13,7 +13,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from gpuswap.policy import decide, decay_usage
 from gpuswap.policy.model import (GpuView, JobView, Pause, Phase, PolicyConfig, Resume, Snapshot,
@@ -121,8 +121,10 @@ _SLOT = {name: JobView.__dict__[name] for name in JobView.__slots__}
 class Simulator:
     def __init__(self, jobs: list[TraceJob], policy: str, cluster: Cluster = Cluster(),
                  cost_model: CostModel | str = "gpuswap", config: PolicyConfig = PolicyConfig(),
-                 tick_s: float = 60.0):
+                 tick_s: float = 60.0, progress: Optional[Callable[[int, int], None]] = None):
         self.policy = policy
+        self.progress = progress           # called now and then with (jobs finished, jobs)
+        self.finished = 0
         self.cluster = cluster
         self.model = parse_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
         self.config = config
@@ -276,6 +278,9 @@ class Simulator:
             self._stop_run(j)
             self._release(j)
             j.end = self.now
+            self.finished += 1
+            if self.progress is not None and self.finished % 500 == 0:
+                self.progress(self.finished, len(self.jobs))
             j.phase = Phase.RUNNING
             del self.live[j.spec.id]
             self.views.pop(j.spec.id, None)
