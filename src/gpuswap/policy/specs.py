@@ -80,6 +80,21 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     return q
 
 
+def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...]) -> list[int]:
+    """`las_queue` of many jobs at once, written out (no call per job): the simulator computes the
+    order of every waiting job on every call."""
+    now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
+    out = []
+    for j in jobs:
+        q = bisect_right(thresholds, j.attained_gpu_s)
+        if q and j.phase in waiting:
+            run_s = j.run_s
+            if run_s > 0 and now - j.phase_since >= factor * run_s:
+                q = 0
+        out.append(q)
+    return out
+
+
 def starving(job: JobView, ctx: Ctx) -> bool:
     """Tiresias' STARVELIMIT: waited `las_starvation_factor` x its cumulative run time."""
     return (job.phase in _WAITING and job.run_s > 0
@@ -100,6 +115,14 @@ def _prio_order(j: JobView, c: Ctx) -> Key:
     return (-j.priority, j.submit_time, j.id)
 
 
+def _prio_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
+    return [(-j.priority, j.submit_time, j.id) for j in jobs]
+
+
+def _fifo_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
+    return [(j.submit_time, j.id) for j in jobs]
+
+
 def _prio_level(j: JobView, c: Ctx) -> Key:
     return (-j.priority,)
 
@@ -115,6 +138,10 @@ def _prio_why(w: JobView, v: JobView, c: Ctx) -> str:
 # las (Tiresias 2D-LAS, discretized) -------------------------------------------------------------
 def _las_order(j: JobView, c: Ctx) -> Key:
     return (las_queue(j, c), j.submit_time, j.id)
+
+
+def _las_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
+    return [(q, j.submit_time, j.id) for q, j in zip(las_queues(jobs, c, c.config.las_thresholds_gpu_s), jobs)]
 
 
 def _las_level(j: JobView, c: Ctx) -> Key:
@@ -185,22 +212,13 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
-    jobs that ordering caused ~290k preemptions).
-
-    All waiting jobs at once, with `gs_band` and `share_key` written out: the simulator computes
-    this for every waiting job on every call.
+    jobs that ordering caused ~290k preemptions). (`share_key` written out: this runs for every
+    waiting job on every call.)
     """
-    bands, usage, now = c.config.gpuswap_bands_gpu_s, c.usage, c.now
-    factor = c.config.las_starvation_factor
-    out = []
-    for j in jobs:
-        attained, run_s, weight = j.attained_gpu_s, j.run_s, j.weight
-        band = bisect_right(bands, attained)
-        if band and j.phase in _WAITING and run_s > 0 and now - j.phase_since >= factor * run_s:
-            band = 0                 # starving: promoted (las_queue)
-        out.append((-j.priority, band, usage.get(j.user, 0.0) / (weight if weight > 1e-9 else 1e-9),
-                    attained, j.submit_time, j.id))
-    return out
+    usage = c.usage
+    return [(-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
+             j.attained_gpu_s, j.submit_time, j.id)
+            for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_gpu_s), jobs)]
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
@@ -258,10 +276,10 @@ def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
 
 
 SPECS: dict[str, Spec] = {
-    "fifo": Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why),
+    "fifo": Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why, orders=_fifo_orders),
     "priority": Spec("priority", True, _prio_order, _prio_level, _prio_victim, _prio_why,
-                     level_prefix=1),
-    "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1,
+                     level_prefix=1, orders=_prio_orders),
+    "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1, orders=_las_orders,
                 running_levels=_band_levels(lambda cfg: cfg.las_thresholds_gpu_s, by_class=False)),
     "gandiva": Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why),
     "srtf-oracle": Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
