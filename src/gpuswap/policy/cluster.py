@@ -39,7 +39,7 @@ class ClusterState:
         self.ram_used: dict[str, int] = defaultdict(int)
         self.pending: dict[str, list[int]] = defaultdict(list)
         stopped: dict[int, int] = {}        # GPU -> bytes a stopped job keeps on it
-        for j in self.waiting:
+        for j in [j for j in self.waiting if j.phase is paused]:     # PENDING jobs park nothing
             if j.parked == "ram":
                 self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
             if j.holds_gpu_while_paused:
