@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from gpuswap.fsutil import atomic_write_json
 from gpuswap.jobs import Priority
 from gpuswap.sim.engine import SimResult
 from gpuswap.sim.metrics import arrays
@@ -54,8 +55,7 @@ def write_outputs(out: str, summaries: dict[str, dict[str, Any]], results: dict[
     os.makedirs(out, exist_ok=True)
     written = []
     path = os.path.join(out, "summary.json")
-    with open(path, "w") as fh:
-        json.dump({**summaries, "_meta": meta} if meta else summaries, fh, indent=2)
+    atomic_write_json(path, {**summaries, "_meta": meta} if meta else summaries)
     written.append(path)
     path = os.path.join(out, "summary.csv")
     keys = [k for k, _ in COLUMNS] + ["preemptions", "p50_queue_s", "p95_queue_s", "decide_calls"]
