@@ -76,13 +76,17 @@ def test_gpuswap_bands_are_finer_than_las_queues():
     assert kinds(decide(s, "gpuswap")) == [("Pause", "older")]
 
 
-def test_benefit_counts_gpu_seconds_like_the_bands():
-    """An 8-GPU job that has run 2,000 s holds 16,000 GPU-s: a waiting 1-GPU job with 5,000 GPU-s is
-    in a lower band and gains by preempting it, though it has run longer by the clock."""
-    wide = job("wide", Phase.RUNNING, gpus=8, assigned=tuple(range(8)), attained=16000, run_s=2000)
-    one = job("one", Phase.PAUSED, attained=5000, run_s=5000, parked="disk", since=5000, last_start=0)
-    s = snap(9000, gpus(8), [wide, one])
-    assert kinds(decide(s, "gpuswap")) == [("Pause", "wide")]
+def test_bands_count_service_per_gpu_so_wide_jobs_are_not_starved():
+    """An 8-GPU job that has run 2,000 s (16,000 GPU-s) ranks ahead of 1-GPU jobs that have run
+    5,000 s each: bands and the benefit gate count service per GPU. By GPU-seconds (as `las` counts)
+    it would rank behind them all and wait for a whole free node."""
+    ones = [job(f"one{i}", Phase.RUNNING, assigned=(i,), attained=5000, run_s=5000) for i in range(8)]
+    wide = job("wide", Phase.PAUSED, gpus=8, attained=16000, run_s=2000, parked="disk", since=8500,
+               last_start=0)
+    s = snap(9000, gpus(8), [*ones, wide])
+    out = decide(s, "gpuswap")
+    assert sorted(kinds(out)) == sorted(("Pause", f"one{i}") for i in range(8))
+    assert all("band 2 < 3" in d.reason for d in out)
 
 
 def test_a_starving_job_may_preempt_like_a_higher_class():

@@ -91,9 +91,10 @@ class PolicyConfig:
     allow_disk: bool = True
     # Added with the policy core (issue 4); defaults keep older callers valid.
     switch_benefit_factor: float = 2.0   # gpuswap: switch within a class only if benefit >= this x cost
-    # gpuswap's LAS bands: attained GPU-seconds doubling from 15 GPU-minutes to 256 GPU-hours. Finer
-    # than Tiresias' 2-3 queues because a park costs seconds, not a checkpoint-restart (policies.md).
-    gpuswap_bands_gpu_s: tuple[float, ...] = tuple(900.0 * 2**k for k in range(11))
+    # gpuswap's LAS bands: attained service per GPU (GPU-seconds / GPUs) doubling from 15 minutes to
+    # 256 hours. Finer than Tiresias' 2-3 queues because a park costs seconds, not a
+    # checkpoint-restart; per GPU because GPU-seconds starved wide long jobs (policies.md).
+    gpuswap_bands_s: tuple[float, ...] = tuple(900.0 * 2**k for k in range(11))
 
 
 @dataclass(frozen=True, slots=True)

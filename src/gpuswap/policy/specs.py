@@ -61,17 +61,23 @@ def label(priority: int) -> str:
 _WAITING = frozenset({Phase.PENDING, Phase.PAUSED})
 
 
-def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = None) -> int:
+def service_s(job: JobView) -> float:
+    """Attained service per GPU (GPU-seconds / GPUs): how long the job has run, whatever its width."""
+    return job.attained_gpu_s / (job.gpus if job.gpus > 1 else 1)
+
+
+def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = None,
+              per_gpu: bool = False) -> int:
     """Tiresias' discretized 2D-LAS queue: 0 below the first threshold of attained GPU-seconds, etc.
 
     `thresholds` defaults to the `las` policy's (`config.las_thresholds_gpu_s`); gpuswap passes its
-    own finer bands. Starvation (Tiresias' STARVELIMIT): a waiting job that has waited
-    `las_starvation_factor` x its executed time is promoted to queue 0. Executed time is the job's
-    cumulative run time (as in the Tiresias simulator), so a long job's promotion wait grows with it
-    and promotion cannot ping-pong.
+    own finer bands, over service per GPU (`per_gpu`). Starvation (Tiresias' STARVELIMIT): a waiting
+    job that has waited `las_starvation_factor` x its executed time is promoted to queue 0. Executed
+    time is the job's cumulative run time (as in the Tiresias simulator), so a long job's promotion
+    wait grows with it and promotion cannot ping-pong.
     """
     q = bisect_right(ctx.config.las_thresholds_gpu_s if thresholds is None else thresholds,
-                     job.attained_gpu_s)       # 0 below the first threshold (or with none)
+                     service_s(job) if per_gpu else job.attained_gpu_s)   # 0 below the first threshold
     # starving(job, ctx), inlined: this runs for every job on every call of the simulator
     if q and job.phase in _WAITING:
         run_s = job.run_s
@@ -80,13 +86,15 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     return q
 
 
-def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...]) -> list[int]:
+def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...],
+               per_gpu: bool = False) -> list[int]:
     """`las_queue` of many jobs at once, written out (no call per job): the simulator computes the
     order of every waiting job on every call."""
     now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
     out = []
     for j in jobs:
-        q = bisect_right(thresholds, j.attained_gpu_s)
+        a = j.attained_gpu_s
+        q = bisect_right(thresholds, a / j.gpus if per_gpu and j.gpus > 1 else a)
         if q and j.phase in waiting:
             run_s = j.run_s
             if run_s > 0 and now - j.phase_since >= factor * run_s:
@@ -203,12 +211,15 @@ def _srtf_why(w: JobView, v: JobView, c: Ctx) -> str:
 
 # gpuswap ----------------------------------------------------------------------------------------
 def gs_band(j: JobView, c: Ctx) -> int:
-    """gpuswap's LAS band: `las_queue` over its own finer thresholds (config.gpuswap_bands_gpu_s)."""
-    return las_queue(j, c, c.config.gpuswap_bands_gpu_s)
+    """gpuswap's LAS band: `las_queue` over its own finer thresholds (config.gpuswap_bands_s), on
+    service per GPU. GPU-seconds (Tiresias' 2D) put an 8-GPU job 8x further back per hour run: on
+    the Philly trace day-long 8-GPU jobs then waited for whole nodes behind everything else and made
+    the entire gap to the SRTF oracle (policies.md)."""
+    return las_queue(j, c, c.config.gpuswap_bands_s, per_gpu=True)
 
 
 def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    """Class, then LAS band, then the least-served user (decayed usage / weight), then attained service.
+    """Class, then LAS band, then the least-served user (decayed usage / weight), then service.
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
@@ -217,8 +228,8 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """
     usage = c.usage
     return [(-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
-             j.attained_gpu_s, j.submit_time, j.id)
-            for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_gpu_s), jobs)]
+             service_s(j), j.submit_time, j.id)
+            for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_s, per_gpu=True), jobs)]
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
@@ -226,14 +237,17 @@ def _gs_order(j: JobView, c: Ctx) -> Key:
 
 
 def _gs_level(j: JobView, c: Ctx) -> Key:
-    return (-j.priority, las_queue(j, c, c.config.gpuswap_bands_gpu_s))   # gs_band, one call less: hot
+    return (-j.priority, gs_band(j, c))
 
 
-def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_class: bool):
+def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_class: bool,
+                 per_gpu: bool = False):
     """Levels of RUNNING jobs at once, (band,) or (class, band): a running job is never starving,
     so its band is its attained service against the thresholds (las_queue without promotion)."""
     def levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
         th = thresholds(c.config)
+        if by_class and per_gpu:
+            return [(-j.priority, bisect_right(th, service_s(j))) for j in running]
         if by_class:
             return [(-j.priority, bisect_right(th, j.attained_gpu_s)) for j in running]
         return [(bisect_right(th, j.attained_gpu_s),) for j in running]
@@ -252,20 +266,19 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
     """A higher class or a starving job (promoted to band 0) always may preempt; within a class
     otherwise only when the expected gain beats the cost.
 
-    LAS's heavy-tail predictor -- a job that has received s GPU-seconds will need about s more --
-    measured in the same GPU-seconds the bands use: gain = v's attained - w's attained, against the
-    GPU-seconds the round trip costs v. (Wall-clock run time here disagreed with the GPU-second
-    bands for multi-GPU jobs: the band let a job preempt, the gate refused, and the freed GPUs went
-    to it anyway through the order -- twice the switches.)
+    LAS's heavy-tail predictor -- a job that has run s seconds will need about s more -- measured
+    in the unit the bands use (service per GPU): gain = v's service - w's service, against the
+    seconds the round trip costs v. (Gate and bands must agree: when they used different units, the
+    band let a job preempt, the gate refused, and the freed GPUs went to it anyway through the
+    order -- twice the switches.)
     """
     if w.priority > v.priority or starving(w, c):
         return True                 # a promise, like a class: promotion must be able to run the job
-    gain = v.attained_gpu_s - w.attained_gpu_s
-    return gain >= c.config.switch_benefit_factor * cost * max(v.gpus, 1)
+    return service_s(v) - service_s(w) >= c.config.switch_benefit_factor * cost
 
 
 def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
-    return w.priority, (float("-inf") if starving(w, c) else w.attained_gpu_s)
+    return w.priority, (float("-inf") if starving(w, c) else service_s(w))
 
 
 def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
@@ -287,5 +300,5 @@ SPECS: dict[str, Spec] = {
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                     benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
                     level_prefix=2, orders=_gs_orders,
-                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_gpu_s, by_class=True)),
+                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True)),
 }
