@@ -228,7 +228,8 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """
     usage = c.usage
     return [(-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
-             service_s(j), j.submit_time, j.id)
+             j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s,    # service_s(j)
+             j.submit_time, j.id)
             for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_s, per_gpu=True), jobs)]
 
 
@@ -246,8 +247,9 @@ def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_cla
     so its band is its attained service against the thresholds (las_queue without promotion)."""
     def levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
         th = thresholds(c.config)
-        if by_class and per_gpu:
-            return [(-j.priority, bisect_right(th, service_s(j))) for j in running]
+        if by_class and per_gpu:            # service_s(j), written out: hot
+            return [(-j.priority, bisect_right(th, j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s))
+                    for j in running]
         if by_class:
             return [(-j.priority, bisect_right(th, j.attained_gpu_s)) for j in running]
         return [(bisect_right(th, j.attained_gpu_s),) for j in running]
