@@ -49,14 +49,15 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[li
     return ok, (spec.running_levels(ok, ctx) if spec.running_levels else [spec.level(v, ctx) for v in ok])
 
 
-def by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[Victim]]:
-    out: dict[str, list[Victim]] = defaultdict(list)
+def by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[tuple[JobView, tuple]]]:
+    """The eligible jobs and their levels, per node (pairs: Victim records are made per node, on need)."""
+    out: dict[str, list[tuple[JobView, tuple]]] = defaultdict(list)
     node_of, job_node = cl.node_of, cl.job_node
     for v, lv in zip(jobs, levels):
         node = node_of.get(v.assigned[0]) if v.assigned else None
         if node is None:
             node = job_node(v)
-        out[node].append(Victim(v, node, lv))
+        out[node].append((v, lv))
     return out
 
 
@@ -131,22 +132,31 @@ class Preemption:
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
         self._eligible = eligible(snap, spec, ctx, cl)
-        self._by_node: Optional[dict[str, list[Victim]]] = None   # built on first plan: ~half never need it
+        # Built on need: ~half the rounds never plan, and most plans visit a few nodes' victims.
+        self._pairs: Optional[dict[str, list[tuple[JobView, tuple]]]] = None
+        self._victims: dict[str, list[Victim]] = {}
         self.max_level = max(self._eligible[1]) if self._eligible[1] else None
         self.ranked: dict[str, list[tuple[tuple, Victim]]] = {}   # per node, until a pause there
         self.groups: Optional[list[list]] = None      # [level, members, ranked members or None], level desc
         self.room_at: dict[tuple, int] = {}           # level -> most GPUs one node could free for it
 
     @property
-    def by_node(self) -> dict[str, list[Victim]]:
-        if self._by_node is None:
-            self._by_node = by_node(*self._eligible, self.cl)
-        return self._by_node
+    def pairs(self) -> dict[str, list[tuple[JobView, tuple]]]:
+        """node -> [(eligible job, its level)]."""
+        if self._pairs is None:
+            self._pairs = by_node(*self._eligible, self.cl)
+        return self._pairs
+
+    def victims_on(self, node: str) -> list[Victim]:
+        vs = self._victims.get(node)
+        if vs is None:
+            vs = self._victims[node] = [Victim(v, node, lv) for v, lv in self.pairs.get(node, ())]
+        return vs
 
     def _ranked(self, node: str) -> list[tuple[tuple, Victim]]:
         r = self.ranked.get(node)
         if r is None:
-            r = self.ranked[node] = scored(self.by_node[node], self.cl, self.snap, self.spec, self.ctx)
+            r = self.ranked[node] = scored(self.victims_on(node), self.cl, self.snap, self.spec, self.ctx)
         return r
 
     def plan(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
@@ -158,9 +168,9 @@ class Preemption:
         if need > self._room(lw, nodes):
             return None                     # no node could free enough GPUs, whatever the gates say
         plans = []
+        pairs = self.pairs
         for node in nodes:
-            vs = self.by_node.get(node)
-            if not vs or self._room(lw, [node]) < need:
+            if not pairs.get(node) or self._room(lw, [node]) < need:
                 continue
             plan = plan_on(w, lw, node, self._ranked(node), w.gpus - len(cl.free[node]) - len(cl.pending[node]),
                            cl, self.snap, self.spec, self.ctx)
@@ -180,13 +190,13 @@ class Preemption:
         everywhere = nodes is cl.nodes
         room = self.room_at.get(lw) if everywhere else None
         if room is None:
-            by_node, free, pending = self.by_node, cl.free, cl.pending
+            pairs, free, pending = self.pairs, cl.free, cl.pending
             room = 0
             for n in nodes:                 # a node holds a handful of victims: no index pays off
                 r = len(free[n]) + len(pending[n])
-                for c in by_node.get(n, ()):
-                    if lw < c.level:
-                        r += len(c.job.assigned)
+                for v, lv in pairs.get(n, ()):
+                    if lw < lv:
+                        r += len(v.assigned)
                 if r > room:
                     room = r
             if everywhere:
@@ -209,8 +219,8 @@ class Preemption:
     def _first_acceptable(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
         if self.groups is None:
             by_level: dict[tuple, list[Victim]] = defaultdict(list)
-            for cs in self.by_node.values():
-                for c in cs:
+            for node in list(self.pairs):
+                for c in self.victims_on(node):
                     by_level[c.level].append(c)
             self.groups = [[lv, by_level[lv], None] for lv in sorted(by_level, reverse=True)]
         cl, snap, spec, ctx = self.cl, self.snap, self.spec, self.ctx
@@ -228,7 +238,8 @@ class Preemption:
     def taken(self, node: str, chosen: Chosen) -> None:
         """`chosen` on `node` are being paused: they leave, and that node's RAM room changes."""
         gone = {v.id for v, _ in chosen}
-        self.by_node[node] = [c for c in self.by_node[node] if c.job.id not in gone]
+        self._victims[node] = [c for c in self.victims_on(node) if c.job.id not in gone]
+        self.pairs[node] = [p for p in self.pairs[node] if p[0].id not in gone]
         self.ranked.pop(node, None)
         if self.groups is not None:
             for group in self.groups:
@@ -240,5 +251,5 @@ class Preemption:
                     kept.sort(key=itemgetter(0))
                     group[2] = kept
             self.groups = [g for g in self.groups if g[1]]
-        levels = [c.level for cs in self.by_node.values() for c in cs]
+        levels = [lv for ps in self.pairs.values() for _, lv in ps]
         self.max_level = max(levels) if levels else None
