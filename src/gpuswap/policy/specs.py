@@ -78,18 +78,14 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     """
     q = bisect_right(ctx.config.las_thresholds_gpu_s if thresholds is None else thresholds,
                      service_s(job) if per_gpu else job.attained_gpu_s)   # 0 below the first threshold
-    # starving(job, ctx), inlined: this runs for every job on every call of the simulator
-    if q and job.phase in _WAITING:
-        run_s = job.run_s
-        if run_s > 0 and ctx.now - job.phase_since >= ctx.config.las_starvation_factor * run_s:
-            return 0
-    return q
+    return 0 if q and starving(job, ctx) else q
 
 
 def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...],
                per_gpu: bool = False) -> list[int]:
-    """`las_queue` of many jobs at once, written out (no call per job): the simulator computes the
-    order of every waiting job on every call."""
+    """`las_queue` of many jobs at once, with `service_s` and `starving` written out (no call per
+    job): the simulator computes the order of every waiting job on every call. Tested equal to
+    `las_queue` (tests/policy/test_policy_core.py)."""
     now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
     out = []
     for j in jobs:
@@ -247,12 +243,9 @@ def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_cla
     so its band is its attained service against the thresholds (las_queue without promotion)."""
     def levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
         th = thresholds(c.config)
-        if by_class and per_gpu:            # service_s(j), written out: hot
-            return [(-j.priority, bisect_right(th, j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s))
-                    for j in running]
-        if by_class:
-            return [(-j.priority, bisect_right(th, j.attained_gpu_s)) for j in running]
-        return [(bisect_right(th, j.attained_gpu_s),) for j in running]
+        bands = [bisect_right(th, j.attained_gpu_s / j.gpus if per_gpu and j.gpus > 1 else j.attained_gpu_s)
+                 for j in running]          # service_s(j) written out when per_gpu: hot
+        return [(-j.priority, b) for j, b in zip(running, bands)] if by_class else [(b,) for b in bands]
     return levels
 
 

@@ -49,7 +49,7 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[li
     return ok, (spec.running_levels(ok, ctx) if spec.running_levels else [spec.level(v, ctx) for v in ok])
 
 
-def by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[tuple[JobView, tuple]]]:
+def pairs_by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[tuple[JobView, tuple]]]:
     """The eligible jobs and their levels, per node (pairs: Victim records are made per node, on need)."""
     out: dict[str, list[tuple[JobView, tuple]]] = defaultdict(list)
     node_of, job_node = cl.node_of, cl.job_node
@@ -144,7 +144,7 @@ class Preemption:
     def pairs(self) -> dict[str, list[tuple[JobView, tuple]]]:
         """node -> [(eligible job, its level)]."""
         if self._pairs is None:
-            self._pairs = by_node(*self._eligible, self.cl)
+            self._pairs = pairs_by_node(*self._eligible, self.cl)
         return self._pairs
 
     def victims_on(self, node: str) -> list[Victim]:
