@@ -52,6 +52,30 @@ def test_time_never_goes_backwards_and_no_gpu_is_double_booked(monkeypatch):
     assert seen and all(a <= b for a, b in zip(seen, seen[1:]))
 
 
+def test_decisions_come_on_arrivals_finishes_and_parks_not_on_restores(monkeypatch):
+    """One GPU: an urgent job preempts a long one while a low-class job waits throughout. The policy
+    is asked when each job arrives, when the park completes (to start the urgent job), and when a
+    job ends -- not when the long job's restore completes, which frees nothing."""
+    seen = []
+    real = sim_engine.decide
+
+    def spy(snap, policy):
+        seen.append(snap.now)
+        return real(snap, policy)
+
+    monkeypatch.setattr(sim_engine, "decide", spy)
+    gib8 = 8 * 1024**3
+    jobs = [TraceJob("long", 0, 5000, 1, "a", 1, gib8), TraceJob("low", 10, 100, 1, "a", 0, gib8),
+            TraceJob("u", 100, 50, 1, "b", 3, gib8)]
+    sim = Simulator(jobs, "gpuswap", cluster=Cluster(nodes=1, gpus_per_node=1), tick_s=100_000)
+    r = sim.run()
+    park, resume = sim.model.costs.park_s(gib8, "ram"), sim.model.costs.resume_s(gib8, "ram")
+    end = {j.spec.id: j.end for j in r.jobs}
+    assert [j.preemptions for j in r.jobs] == [1, 0, 0] and park > 0 and resume > 0
+    assert end["long"] == pytest.approx(5000 + park + 50 + resume)   # restored at 150 + park + resume
+    assert seen == pytest.approx([0, 10, 100, 100 + park, 150 + park, end["long"]])
+
+
 def test_a_double_booking_policy_is_caught(monkeypatch):
     from gpuswap.policy.model import Start
 

@@ -88,9 +88,13 @@ def plots(out: str, results: dict[str, SimResult]) -> list[str]:
 
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in results.items():
+    styles = ["-", "--", "-.", ":"]
+    for i, (name, r) in enumerate(results.items()):
         jct = np.sort(arrays(r)["jct"])
-        ax.plot(np.maximum(jct, 1), np.arange(1, jct.size + 1) / jct.size, label=name)
+        ours = name == "gpuswap"            # drawn on top and thicker: close curves hide each other
+        ax.plot(np.maximum(jct, 1), np.arange(1, jct.size + 1) / jct.size, label=name,
+                linestyle="-" if ours else styles[i % len(styles)], linewidth=2.2 if ours else 1.3,
+                zorder=3 if ours else 2)
     ax.set_xscale("log")
     ax.set_xlabel("job completion time (s)")
     ax.set_ylabel("fraction of jobs")
