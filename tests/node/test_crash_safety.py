@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -102,3 +103,59 @@ def test_supervisor_survives_and_pid_reuse_cannot_fool_liveness(daemon, home):
     j = daemon.state(job, "FAILED", timeout=20)
     assert "supervisor died" in j["reason"]
     os.kill(status["job_pid"], signal.SIGKILL)
+
+
+def _lock_free(path) -> bool:
+    import fcntl
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_start_the_daemon_died_before_spawning_is_spawned_after_restart(daemon, home):
+    """Starting a job is: record RUNNING, write the run's spec.json, spawn its supervisor. A daemon
+    killed between the last two leaves a RUNNING job with a spec and no process. Rebuild exactly
+    that on disk (kill the supervisor and the job, remove what they and the spawn wrote), restart:
+    the job is spawned then and runs once, rather than being failed as 'its supervisor died'."""
+    job = daemon.submit(["sh", "-c", "sleep 1; echo ran"])
+    run = home / "jobs" / str(job) / "run-1"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (
+            (run / "status.json").exists() and json.loads((run / "status.json").read_text())["job_pid"]):
+        time.sleep(0.05)
+    daemon.kill9()
+    st = json.loads((run / "status.json").read_text())
+    for pid in (st["job_pid"], st["supervisor_pid"]):      # each leads its own session
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while not _lock_free(run / "lock") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for name in ("status.json", "spawned.json"):
+        (run / name).unlink(missing_ok=True)
+    (home / "jobs" / str(job) / "output.log").write_text("")
+    assert (run / "spec.json").exists()
+    daemon.start()
+    j = daemon.state(job, "COMPLETED", timeout=25)
+    assert daemon.cli("logs", str(job)).stdout.count("ran") == 1
+    assert [e["state"] for e in j["events"]] == ["PENDING", "RUNNING", "COMPLETED"]
+
+
+def test_a_second_supervisor_of_a_generation_that_ran_starts_nothing(daemon, home):
+    """A daemon killed after spawning a supervisor but before recording it spawns another after the
+    restart; that one must not run the job a second time."""
+    job = daemon.submit(["sh", "-c", "echo ran"])
+    daemon.state(job, "COMPLETED")
+    run = home / "jobs" / str(job) / "run-1"
+    before = (run / "status.json").read_text()
+    t0 = time.monotonic()
+    rc = subprocess.run([sys.executable, "-m", "gpuswap.node.supervisor", str(run)], timeout=30).returncode
+    assert rc == 0 and time.monotonic() - t0 < 10
+    assert (run / "status.json").read_text() == before
+    assert daemon.cli("logs", str(job)).stdout.count("ran") == 1

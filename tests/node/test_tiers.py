@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
+from gpuswap.node.store import Store
 from gpuswap_testing import train_cmd
 
 
@@ -12,7 +14,17 @@ def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daem
     weighs parking it to disk (its GPU held while the checkpoint is written) against spilling the
     first, already parked, to disk (host-side; it pays a slower restart later): with RAM copies
     faster than disk writes, the spill is cheaper, so the first goes to disk and the second to RAM.
-    The budget is never exceeded and both end bitwise-exact."""
+    The budget is never exceeded and both end bitwise-exact.
+
+    The two plans differ only by the victim's bytes over RAM-copy vs disk-write bandwidth, so the
+    premise is made explicit: the daemon starts with figures it learned before (the same SQLite
+    rows real moves leave), RAM 10 GB/s and disk 200 MB/s. Left to calibrate, a loaded machine
+    can time a 16 MiB park (mostly fixed costs) slower than its page-cached disk write."""
+    store = Store(home / "state.db")
+    for field, bps in (("ram_park_bps", 10e9), ("ram_resume_bps", 10e9),
+                       ("disk_write_bps", 200e6), ("disk_read_bps", 200e6)):
+        store.save_bandwidth(field, bps, 20, time.time())
+    store.close()
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--ram-budget", "24MiB")
     steps, hidden = 250, 1024
     lows = [d.submit(train_cmd(home / f"low{i}.json", steps, 0.02, hidden), name=f"low{i}", priority="low")

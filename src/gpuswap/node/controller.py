@@ -233,7 +233,7 @@ class Controller:
     def _push_desired(self, job: JobRecord) -> None:
         if job.generation == 0 or (job.state == JobState.PAUSED and job.parked == "disk"):
             return
-        if job.state in ACTIVE and not (self.launcher.run_dir(job.id, job.generation) / "spec.json").exists():
+        if job.state in ACTIVE and not self.launcher.spawned(job.id, job.generation):
             # The daemon died between recording a start and spawning it: spawn now (idempotent).
             self._launch(job, job.generation, job.assigned)
         self.launcher.set_desired(job.id, job.generation, {

@@ -4,6 +4,12 @@ Each launch of a job (first start, or restart after a disk park) is a *generatio
 run directory, so a status file can never be mistaken for another launch's. The daemon writes
 `desired.json`; it reads `status.json`; liveness is whether the supervisor still holds the flock on
 `lock` (the kernel drops it when the process dies, so PID reuse cannot fool us).
+
+A launch is done when `spawned.json` exists, written only after the supervisor process exists: a
+daemon killed between writing `spec.json` and spawning leaves no marker, and the restarted daemon
+spawns it then. One killed after spawning but before the marker spawns a second supervisor; the
+supervisor takes the lock and starts nothing when the generation has already run
+(`supervisor.py`), so a job never runs twice.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ SPAWN_GRACE_S = 30.0
 class Observation:
     status: Optional[dict[str, Any]]   # the supervisor's status.json, if written
     alive: bool                        # supervisor holds its lock
-    spawned_at: Optional[float]        # when the daemon wrote spec.json for this generation
+    spawned_at: Optional[float]        # when the daemon spawned this generation's supervisor
 
     @property
     def exit(self) -> Optional[dict[str, Any]]:
@@ -67,7 +73,7 @@ class Launcher:
                desired: dict[str, Any]) -> None:
         """Spawn a supervisor for this generation unless one was already spawned (idempotent)."""
         run = self.run_dir(job.id, generation)
-        if (run / "spec.json").exists():
+        if self.spawned(job.id, generation):
             return
         run.mkdir(parents=True, exist_ok=True)
         ckpt = self.ckpt_dir(job.id)
@@ -92,14 +98,19 @@ class Launcher:
             "env": env,
             "extra_env": extra_env, "uid": job.uid, "gid": job.gid,
             "groups": groups, "log_path": str(log),
-            "control": self.control_address(job.id, generation), "spawned_at": time.time(),
+            "control": self.control_address(job.id, generation),
         })
         with open(run / "supervisor.err", "ab") as err:
-            self._children.append(subprocess.Popen(
+            child = subprocess.Popen(
                 [sys.executable, "-m", "gpuswap.node.supervisor", str(run)],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
                 cwd="/",
-            ))
+            )
+        self._children.append(child)
+        atomic_write_json(run / "spawned.json", {"pid": child.pid, "time": time.time()})
+
+    def spawned(self, job_id: int, generation: int) -> bool:
+        return (self.run_dir(job_id, generation) / "spawned.json").exists()
 
     def set_desired(self, job_id: int, generation: int, desired: dict[str, Any]) -> None:
         path = self.run_dir(job_id, generation) / "desired.json"
@@ -108,11 +119,11 @@ class Launcher:
 
     def observe(self, job_id: int, generation: int) -> Observation:
         run = self.run_dir(job_id, generation)
-        spec = read_json(run / "spec.json")
+        spawned = read_json(run / "spawned.json")
         return Observation(
             status=read_json(run / "status.json"),
             alive=_lock_held(run / "lock"),
-            spawned_at=spec["spawned_at"] if spec else None,
+            spawned_at=spawned["time"] if spawned else None,
         )
 
     def reap(self) -> None:

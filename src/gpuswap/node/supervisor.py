@@ -10,6 +10,7 @@ Run directory (made by the daemon before spawning us):
   desired.json  what the daemon wants now: {"run": "running"|"paused", "tier", "sigstop", "cancel"}
   status.json   what is (written by us, atomically, on every change)
   lock          flock held for our whole life: the daemon's liveness check, immune to PID reuse
+  spawned.json  written by the daemon once we exist (launcher.py: a lost spawn is redone)
 """
 from __future__ import annotations
 
@@ -244,6 +245,10 @@ class Supervisor:
     def run(self) -> int:
         lock_fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)          # held until we exit
+        if (self.run_dir / "status.json").exists():
+            # A second supervisor for this generation (the daemon died after spawning the first but
+            # before recording it, and spawned again): the first has run or is gone. Start nothing.
+            return 0
         # Only the daemon's desired.json stops a job. A handler, not SIG_IGN: an ignored
         # disposition would be inherited by the job through exec.
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
