@@ -92,7 +92,8 @@ class Launcher:
         if self.simulated:
             extra_env[channel.ENV_SIMULATED] = "1"
         groups = _supplementary_groups(job.uid, job.gid)
-        atomic_write_json(run / "desired.json", desired)
+        if not (run / "desired.json").exists():     # a respawn keeps what the daemon asked since
+            atomic_write_json(run / "desired.json", desired)
         atomic_write_json(run / "spec.json", {
             "job_id": job.id, "generation": generation, "argv": job.argv, "cwd": job.cwd,
             "env": env,
