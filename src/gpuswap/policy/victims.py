@@ -219,7 +219,7 @@ class Preemption:
     def _first_acceptable(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
         if self.groups is None:
             by_level: dict[tuple, list[Victim]] = defaultdict(list)
-            for node in list(self.pairs):
+            for node in self.pairs:
                 for c in self.victims_on(node):
                     by_level[c.level].append(c)
             self.groups = [[lv, by_level[lv], None] for lv in sorted(by_level, reverse=True)]
@@ -238,8 +238,8 @@ class Preemption:
     def taken(self, node: str, chosen: Chosen) -> None:
         """`chosen` on `node` are being paused: they leave, and that node's RAM room changes."""
         gone = {v.id for v, _ in chosen}
-        self._victims[node] = [c for c in self.victims_on(node) if c.job.id not in gone]
         self.pairs[node] = [p for p in self.pairs[node] if p[0].id not in gone]
+        self._victims.pop(node, None)       # made again from the pairs on need
         self.ranked.pop(node, None)
         if self.groups is not None:
             for group in self.groups:
