@@ -50,7 +50,9 @@ class Observer:
         self._track_usage(job, rt, now)
         if (job.state == JobState.PAUSED and job.parked == "ram" and job.desired_tier == "disk"
                 and _failed_since(rt, job.pause_requested_at)):
-            self.store.update(job.id, now, desired_tier="ram", hold=False,
+            # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
+            # waits for the user's resume; a policy spill leaves it to the policy.
+            self.store.update(job.id, now, desired_tier="ram",
                               event=f"spill to disk failed, job stays parked in RAM: {rt['error']}")
             return
         if job.mechanism == "transparent" and job.state == JobState.PAUSING:
