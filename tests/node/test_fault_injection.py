@@ -1,0 +1,18 @@
+"""A seeded sample of the fault-injection trial (tests/fault_trial.py): `kill -9` of the daemon
+across job states, hostile requests and a hostile job; nothing may be lost, stuck, wrong or 5xx.
+The longer run is `python tests/fault_trial.py --trials 40`."""
+from __future__ import annotations
+
+import os
+
+import fault_trial
+
+TRIALS = int(os.environ.get("GPUSWAP_FAULT_TRIALS", "4"))
+SEED = int(os.environ.get("GPUSWAP_FAULT_SEED", "7"))
+
+
+def test_seeded_fault_injection_loses_nothing():
+    counts = fault_trial.run(TRIALS, SEED, log=print)
+    report = counts.table() + "\n" + "\n".join(counts.problems)
+    assert counts.failures == 0, report
+    assert counts.trials == TRIALS and counts.kills >= TRIALS, report   # every trial killed the daemon
