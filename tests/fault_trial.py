@@ -49,7 +49,9 @@ TARGETS = {
     "preempt-ram": ["submitted", "RUNNING", "PAUSING", "PAUSED", "RESUMING"],
     "pause-disk": ["RUNNING", "PAUSING", "PAUSED", "RESUMING"],
     "spill": ["PAUSED", "PAUSING", "RESUMING"],
+    "disk-full": ["PAUSED", "RESUMING"],      # its home fills up while the job runs, then frees
 }
+HOME_FS_BYTES = 256 << 20   # the disk-full scenario's home (tmpfs)
 # A job that says hostile things on its own control socket, then waits for the test's word.
 HOSTILE_JOB = r"""
 import os, socket, sys, time
@@ -232,6 +234,7 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
     rng = random.Random(seed)
     counts = Counts(trials=1)
     home = Path(tempfile.mkdtemp(prefix="gsf-", dir="/tmp"))
+    mounted = scenario == "disk-full" and _mount_tmpfs(home)
     home.chmod(0o755)
     d = Daemon(home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "1"])
     target = rng.choice(TARGETS[scenario])
@@ -258,7 +261,13 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
         killer.start()
         _retry(lambda: d.until(low, lambda j: j["state"] == "RUNNING" and j["runtime_attached"]
                                and (j["step"] or 0) >= 3, timeout=120))
-        if scenario == "preempt-ram":
+        if scenario == "disk-full":
+            if mounted:
+                _fill_and_free(d, home, low, counts)
+            _retry(lambda: d.client.post(f"/v1/jobs/{low}/pause", {"to": "ram"}))
+            _retry(lambda: d.until(low, lambda j: j["state"] == "PAUSED", timeout=120))
+            _retry(lambda: d.client.post(f"/v1/jobs/{low}/resume"))
+        elif scenario == "preempt-ram":
             # A proper hello first, so the supervisor takes the job for an attached runtime and
             # folds what follows into the record the daemon reads.
             hello = json.dumps({"op": "hello", "pid": 1, "device_bytes": 1 << 20}).encode() + b"\n"
@@ -288,13 +297,48 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
         release.touch()
         d.stop()
         counts.leftover_processes += _leftovers(home, counts.problems, seed)
+        if mounted:
+            subprocess.run(["umount", "-l", str(home)], check=False)
         shutil.rmtree(home, ignore_errors=True)
     counts.jobs += len(expected)
     return counts
 
 
-def _send_requests(home: Path, requests: list[tuple[str, str, Optional[bytes]]], counts: Counts) -> None:
-    """Each request must get an answer below 500; a dropped connection counts as a 5xx."""
+def _mount_tmpfs(path: Path) -> bool:
+    """A small filesystem of the trial's own for the daemon's home, so it can really fill up."""
+    if os.geteuid() != 0:
+        return False
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={HOME_FS_BYTES},mode=0755", "tmpfs", str(path)],
+                         capture_output=True)
+    return res.returncode == 0
+
+
+def _fill_and_free(d: Daemon, home: Path, low: int, counts: Counts) -> None:
+    """Fill the home's filesystem to the last byte while the job runs; the API must refuse what it
+    cannot record (4xx or 507 Insufficient Storage, never another 5xx); then free it again."""
+    filler = home / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        chunk = b"\0" * (1 << 20)
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:
+            pass
+        try:                      # the last partial megabyte, byte-exact
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    body = json.dumps({"argv": ["true"], "cwd": "/"}).encode()
+    full_requests = [("POST", "/v1/jobs", body), ("POST", f"/v1/jobs/{low}/pause", b'{"to":"disk"}'),
+                     ("POST", f"/v1/jobs/{low}/resume", b"{}"), ("GET", f"/v1/jobs/{low}", None)]
+    _send_requests(home, full_requests, counts, allowed={507})
+    filler.unlink()
+
+
+def _send_requests(home: Path, requests: list[tuple[str, str, Optional[bytes]]], counts: Counts,
+                   allowed: frozenset[int] | set[int] = frozenset()) -> None:
+    """Each request must get an answer below 500 (or in `allowed`); a dropped connection counts as a 5xx."""
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
                       base_url="http://gpuswap", timeout=60) as http:
         for method, path, body in requests:
@@ -312,7 +356,7 @@ def _send_requests(home: Path, requests: list[tuple[str, str, Optional[bytes]]],
                 counts.http_5xx += 1
                 counts.problems.append(f"{shown}: no answer ({e!r})")
                 continue
-            if r.status_code >= 500:
+            if r.status_code >= 500 and r.status_code not in allowed:
                 counts.http_5xx += 1
                 counts.problems.append(f"{shown}: {r.status_code} {r.text[:200]}")
 
