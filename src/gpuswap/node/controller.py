@@ -67,12 +67,19 @@ class Controller:
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
+        failing: Optional[str] = None
         while not stop.is_set():
             started = time.monotonic()
             try:
                 self.tick()
-            except Exception:   # a bad tick must never kill the daemon; the next one retries
-                log.exception("controller tick failed")
+                if failing is not None:
+                    log.warning("controller ticks succeed again")
+                    failing = None
+            except Exception as e:   # a bad tick must never kill the daemon; the next one retries
+                # Logged once per kind of failure: a full disk fails every tick, 5 times a second.
+                if failing != (what := f"{type(e).__name__}: {e}"):
+                    log.exception("controller tick failed (logged again only if the failure changes)")
+                    failing = what
             # Under a burst of submits, wake-ups would make ticks back to back and starve the
             # API of the interpreter: rest at least as long as the tick took.
             time.sleep(max(MIN_GAP_S, time.monotonic() - started))
