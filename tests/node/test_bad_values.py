@@ -116,3 +116,16 @@ def test_submit_and_resume_on_a_full_disk_are_507_and_change_nothing(small_disk)
         assert not list(small_disk.rglob(".*.tmp")), list(small_disk.rglob(".*.tmp"))
     finally:
         d.stop()
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(small_disk):
+    from gpuswap.fsutil import atomic_write_bytes
+
+    target = small_disk / "status.json"
+    atomic_write_bytes(target, b'{"old": true}')
+    _fill(small_disk / "filler")
+    with pytest.raises(OSError) as e:
+        atomic_write_bytes(target, b"x" * (1 << 20))
+    assert e.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b'{"old": true}'
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "status.json"]

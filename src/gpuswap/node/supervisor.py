@@ -64,15 +64,29 @@ class Supervisor:
         self._desired_mtime: Optional[int] = None
         self.desired: dict[str, Any] = {"run": "running"}
         self._complaints = 0
+        self._unsaved = False
 
     # -- status -----------------------------------------------------------------------------
-    def write_status(self) -> None:
+    def write_status(self) -> bool:
+        """Write status.json; on a full disk keep the job running and retry from the main loop
+        (the old file stays whole, and no temp file is left: fsutil)."""
         with self.lock:
-            atomic_write_json(self.run_dir / "status.json", self.status)
+            try:
+                atomic_write_json(self.run_dir / "status.json", self.status)
+            except OSError as e:
+                if not self._unsaved:
+                    self.log(f"cannot write status.json ({e.strerror or e}); retrying")
+                self._unsaved = True
+                return False
+            self._unsaved = False
+            return True
 
     def log(self, text: str) -> None:
-        with open(self.run_dir / "supervisor.log", "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        try:
+            with open(self.run_dir / "supervisor.log", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        except OSError:
+            pass    # a full disk must not take the job's supervisor down with it
 
     # -- the job process --------------------------------------------------------------------
     def start_child(self) -> bool:
@@ -294,13 +308,16 @@ class Supervisor:
                 pass
             self.read_desired()
             self.reconcile()
+            if self._unsaved:
+                self.write_status()
         self.signal_group(signal.SIGKILL)   # leftovers of the job's session die with it
         sig = -rc if rc < 0 else None
         with self.lock:
             self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": None,
                                    "time": time.time()}
             self.status["runtime"]["connected"] = False
-        self.write_status()
+        while not self.write_status():   # the exit status must land; wait for room on the disk
+            time.sleep(1.0)
         return 0
 
 
