@@ -38,7 +38,8 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
 
 def _create(a: argparse.Namespace, client: Callable[[], Any], out: Callable[..., None], dashboard: bool) -> int:
     # For a dashboard URL the daemon refuses (409, exit 1) before making a token it has no URL for.
-    rec = client().post("/v1/tokens", {"user": a.user, "note": a.note, **({"for_dashboard": True} if dashboard else {})})
+    body = {"user": a.user, "note": a.note, **({"for_dashboard": True} if dashboard else {})}
+    rec = client().post("/v1/tokens", body)
 
     def human(r: dict[str, Any]) -> None:
         if dashboard:
