@@ -38,7 +38,17 @@ def _finite(v: Any) -> Any:
 
 
 Bytes = Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)]
-Step = Annotated[StrictInt, Field(ge=-MAX_STEP, le=MAX_STEP)]
+def _step(v: Any) -> Optional[int]:
+    # The step is the user's own counter, informational only: a float step (3.0) is taken, and a
+    # value that is no usable step is dropped rather than costing the message (a park report).
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not v.is_integer():
+        return None
+    return int(v) if -MAX_STEP <= v <= MAX_STEP else None
+
+
+Step = Annotated[Optional[int], BeforeValidator(_step)]
 Seconds = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Timestamp = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=1e11, allow_inf_nan=False)]
 Pid = Annotated[StrictInt, Field(ge=1, le=MAX_PID)]
@@ -56,7 +66,7 @@ class Hello(_Msg):
     pid: Optional[Pid] = None
     device_bytes: Bytes = 0
     parked: StrictBool = False
-    restored_step: Optional[Step] = None
+    restored_step: Step = None
     restored_bytes: Optional[Bytes] = None
     restore_s: Optional[Seconds] = None
 
@@ -64,7 +74,7 @@ class Hello(_Msg):
 class Usage(_Msg):
     op: Literal["usage"]
     device_bytes: Bytes = 0
-    step: Optional[Step] = None
+    step: Step = None
 
 
 class Paused(_Msg):
@@ -72,7 +82,7 @@ class Paused(_Msg):
     tier: Optional[TierName] = None
     bytes: Bytes = 0
     seconds: Optional[Seconds] = None
-    step: Optional[Step] = None
+    step: Step = None
 
 
 class Resumed(_Msg):
@@ -86,7 +96,7 @@ class Checkpointed(_Msg):
     path: Optional[FsPath] = None
     bytes: Bytes = 0
     seconds: Optional[Seconds] = None
-    step: Optional[Step] = None
+    step: Step = None
 
 
 class Error(_Msg):
@@ -119,8 +129,8 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
     name: TypeAdapter(kind) for name, kind in {
         "connected": StrictBool, "attached": StrictBool,
         "state": Optional[Literal["running", "paused", "checkpointed"]], "tier": Optional[TierName],
-        "pid": Optional[Pid], "device_bytes": Bytes, "bytes": Bytes, "step": Optional[Step],
-        "restored_step": Optional[Step], "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
+        "pid": Optional[Pid], "device_bytes": Bytes, "bytes": Bytes, "step": Step,
+        "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
     }.items()
