@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import re
+from decimal import Decimal
 
 
 class JobState(str, enum.Enum):
@@ -58,6 +59,7 @@ class Tier(str, enum.Enum):
 # 75 is EX_TEMPFAIL from sysexits.h ("temporary failure, try again later").
 REQUEUE_EXIT_CODE = 75
 
+MAX_SIZE = 2**50     # 1 PiB: no GPU or host memory comes near it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -73,11 +75,19 @@ def parse_size(text: str) -> int:
     """'20GiB' -> 21474836480. Decimal (GB) and binary (GiB) units; plain numbers are bytes."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"cannot read size {text!r}; write e.g. 20GiB, 512MiB or 80GB")
+        raise ValueError(f"cannot read size {_short(str(text))}; write e.g. 20GiB, 512MiB or 80GB")
     number, unit = m.group(1), (m.group(2) or "").lower()
     if unit not in _UNITS:
-        raise ValueError(f"unknown size unit in {text!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB)")
-    return int(float(number) * _UNITS[unit])
+        raise ValueError(f"unknown size unit in {_short(text)}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB)")
+    # Exact decimal arithmetic, bounded before conversion: a float would overflow to inf (or lose
+    # digits) on a 400-digit number.
+    if len(number.split(".")[0]) > 30 or (size := int(Decimal(number) * _UNITS[unit])) > MAX_SIZE:
+        raise ValueError(f"size {_short(text)} is too large; the most is {format_size(MAX_SIZE)}")
+    return size
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:20] + "..." + text[-10:])
 
 
 def format_size(n: int | float | None) -> str:

@@ -1,20 +1,27 @@
-"""Fuzz every operation of the daemon's OpenAPI schema over TCP: no 5xx, and the daemon stays up.
+"""Fuzz every operation of the daemon's OpenAPI schema over TCP with schemathesis' conformance
+checks: no 5xx, and every answer's status, content type and body are the documented ones; a
+method a path does not serve is a 405 whose `Allow` names exactly the documented methods.
 
 Requests carry the token of `nobody` (not an admin), so fuzzed job submissions run harmlessly as
-nobody. `/wait` is left out: it is a long poll by design (up to 30 s per call).
+nobody. `/wait` is left out: it is a long poll by design (up to 30 s per call). Examples per
+operation and mode: GPUSWAP_FUZZ_EXAMPLES (default 12, about a minute on a loaded 2-core box).
 """
 from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 import schemathesis
+from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
+                                 status_code_conformance)
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from webtools import web  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for `nobody`")
 EXAMPLES = int(os.environ.get("GPUSWAP_FUZZ_EXAMPLES", "12"))
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
 def test_fuzz_api_no_server_errors(web):
@@ -34,8 +41,10 @@ def test_fuzz_api_no_server_errors(web):
         def run(case: schemathesis.Case) -> None:
             r = case.call(base_url=web.url, headers=headers, timeout=30)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-            if r.status_code >= 500:
-                failures.append(f"{case.method} {case.formatted_path} -> {r.status_code}: {r.text[:200]}")
+            try:
+                case.validate_response(r, checks=CHECKS, headers=headers)
+            except AssertionError as e:   # schemathesis' Failure / FailureGroup
+                failures.append(f"{case.method} {case.formatted_path} -> {r.status_code}: {str(e)[:400]}")
 
         try:
             run()
@@ -49,3 +58,21 @@ def test_fuzz_api_no_server_errors(web):
     with web.http(token) as c:
         assert c.get("/v1/health").json()["ok"]
     assert web.daemon.proc.poll() is None
+
+
+def test_unserved_methods_are_405_with_the_documented_allow(web):
+    """RFC 9110: a 405 names every method the resource serves (Starlette named only the first
+    route's when a path has several, e.g. GET and POST /v1/tokens)."""
+    token = web.token("nobody")
+    paths = httpx.get(f"{web.url}/openapi.json").json()["paths"]
+    with web.http(token) as c:
+        for path, ops in paths.items():
+            url = path.replace("{job_id}", "1").replace("{token_id}", "abc")
+            documented = {m.upper() for m in ops}
+            for method in ("OPTIONS", "PUT", "PATCH"):
+                if method.lower() in ops:
+                    continue
+                r = c.request(method, url)
+                assert r.status_code == 405, (method, path, r.status_code)
+                assert set(r.headers["allow"].replace(" ", "").split(",")) == documented, (method, path, r.headers)
+                assert r.json()["detail"]

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 import gpuswap
+from gpuswap.api import schema, storage_errors
 from gpuswap.api.auth import Authorizer, Caller
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
@@ -33,6 +34,9 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{first['msg']}"}, 422)
+
+    storage_errors.install(app)   # a full disk is a 507, not a 500
+    schema.install(app)           # the OpenAPI schema says what is really answered; 405s carry Allow
 
     def record(job: JobRecord, events: Any = None, log_path: Any = None) -> dict[str, Any]:
         return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
@@ -20,6 +20,30 @@ class SubmitRequest(BaseModel):
     mem: Optional[Union[str, int]] = None
     preemptible: bool = True
     pause_mode: str = Field(default="auto", pattern="^(auto|cooperative|transparent)$")
+
+    @field_validator("argv", "cwd", "env", "name", "priority", "mem")
+    @classmethod
+    def _exec_safe(cls, v: Any, info: ValidationInfo) -> Any:
+        """Every string must survive SQLite (UTF-8) and exec (no NUL; no '=' in a variable's name),
+        so a submit that cannot run is refused here, not failed later."""
+        items = v.items() if isinstance(v, dict) else [(None, x) for x in v] if isinstance(v, list) else [(None, v)]
+        for key, value in items:
+            if key is not None:
+                _exec_text(key, f"{info.field_name} name")
+                if not key or "=" in key:
+                    raise ValueError(f"environment variable name {key[:50]!r} is empty or contains '='")
+            if isinstance(value, str):
+                _exec_text(value, info.field_name or "value")
+        return v
+
+
+def _exec_text(text: str, what: str) -> None:
+    if "\0" in text:
+        raise ValueError(f"{what} contains a NUL character")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
 
 
 class PauseRequest(BaseModel):

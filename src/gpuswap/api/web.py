@@ -69,6 +69,8 @@ class SecurityHeaders:
 class TokenRequest(BaseModel):
     user: Optional[str] = Field(default=None, max_length=64, description="admins only: another user's token")
     note: str = Field(default="", max_length=200)
+    for_dashboard: bool = Field(default=False, description="create it only if the daemon has a TCP listener "
+                                "(409 otherwise), so a dashboard URL can be made from it")
 
 
 def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,
@@ -110,11 +112,14 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
         user = req.user or who.user
         if user != who.user and not who.admin:
             raise HTTPException(403, "only admins can create a token for another user")
+        url = getattr(app.state, "public_url", None)
+        if req.for_dashboard and not url:   # refused before a token exists: none is left behind
+            raise HTTPException(409, "the daemon has no TCP listener, so there is no dashboard URL; "
+                                     "start it with `gpuswap server --listen HOST:PORT`")
         try:
             token, record = book.create(user, created_by=who.user, note=req.note)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        url = getattr(app.state, "public_url", None)
         return {**record, "token": token, "url": url,
                 "dashboard_url": f"{url}/ui/#token={token}" if url else None}
 

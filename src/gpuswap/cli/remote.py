@@ -37,7 +37,9 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
 
 
 def _create(a: argparse.Namespace, client: Callable[[], Any], out: Callable[..., None], dashboard: bool) -> int:
-    rec = client().post("/v1/tokens", {"user": a.user, "note": a.note})
+    # For a dashboard URL the daemon refuses (409, exit 1) before making a token it has no URL for.
+    body = {"user": a.user, "note": a.note, **({"for_dashboard": True} if dashboard else {})}
+    rec = client().post("/v1/tokens", body)
 
     def human(r: dict[str, Any]) -> None:
         if dashboard:

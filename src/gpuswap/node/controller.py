@@ -60,18 +60,26 @@ class Controller:
         self._live: dict[int, JobRecord] = {}
         self._views: dict[int, tuple[int, JobView]] = {}
         self._seen_version = 0
+        self._faults: dict[tuple[int, str], str] = {}   # (job id, step) -> the failure last reported
 
     # -- loop -------------------------------------------------------------------------------
     def wake(self) -> None:
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
+        failing: Optional[str] = None
         while not stop.is_set():
             started = time.monotonic()
             try:
                 self.tick()
-            except Exception:   # a bad tick must never kill the daemon; the next one retries
-                log.exception("controller tick failed")
+                if failing is not None:
+                    log.warning("controller ticks succeed again")
+                    failing = None
+            except Exception as e:   # a bad tick must never kill the daemon; the next one retries
+                # Logged once per kind of failure: a full disk fails every tick, 5 times a second.
+                if failing != (what := f"{type(e).__name__}: {e}"):
+                    log.exception("controller tick failed (logged again only if the failure changes)")
+                    failing = what
             # Under a burst of submits, wake-ups would make ticks back to back and starve the
             # API of the interpreter: rest at least as long as the tick took.
             time.sleep(max(MIN_GAP_S, time.monotonic() - started))
@@ -82,10 +90,10 @@ class Controller:
         now = self.clock()
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS or job.cancel_requested:
-                self.observer.observe(job, now)
+                self._isolated(job, now, "to observe it", self.observer.observe, job, now)
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
-                self._apply_user_intent(job, now)
+                self._isolated(job, now, "to apply its user's request", self._apply_user_intent, job, now)
         live = self._refresh()
         jobs = sorted(live.values(), key=lambda j: j.id)
         self._accrue(jobs, now)
@@ -95,13 +103,35 @@ class Controller:
         for d in policy.decide(snap, self.config.policy):
             job = live.get(int(d.job_id))
             if job is not None:
-                self._apply(d, job, now)
+                self._isolated(job, now, f"to carry out a {type(d).__name__.lower()}", self._apply, d, job, now)
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
-                self._push_desired(job)
+                self._isolated(job, now, "to update what its supervisor is asked", self._push_desired, job)
         self.launcher.reap()
         with self.changed:
             self.changed.notify_all()
+
+    def _isolated(self, job: JobRecord, now: float, doing: str, step: Callable[..., None], *args: object) -> None:
+        """Run one job's step so that its failure costs that job only, never the tick: every
+        other job is still observed and scheduled. Reported once per job and step (log and the
+        job's events) until that step succeeds again, not on every tick it repeats."""
+        key = (job.id, doing)
+        try:
+            step(*args)
+        except Exception as e:
+            what = f"{type(e).__name__}: {str(e)[:200]}"
+            if self._faults.get(key) == what:
+                return
+            self._faults[key] = what
+            log.exception("job %d: gpuswap failed %s", job.id, doing)
+            try:
+                self.store.update(job.id, now, event=f"gpuswap failed {doing} ({what}); it retries on every "
+                                                     "tick, and other jobs are unaffected")
+            except Exception:
+                log.exception("job %d: could not record that failure", job.id)
+        else:
+            if self._faults:
+                self._faults.pop(key, None)
 
     def _refresh(self) -> dict[int, JobRecord]:
         """The live jobs, kept current by reading only rows written since the last read."""

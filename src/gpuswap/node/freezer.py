@@ -59,7 +59,7 @@ class Freezer:
     def _ready(self, job: JobRecord, obs: Observation) -> tuple[Optional[int], Optional[CheckpointError]]:
         """(job pid, error of the step that just finished); pid None while there is nothing to do
         (no process yet, or a driver call still in flight)."""
-        pid = (obs.status or {}).get("job_pid")
+        pid = obs.job_pid
         done = self.runner.result(job.id)
         if done is not None:
             self._timings.setdefault(job.id, {})[done.step] = done.seconds
@@ -87,7 +87,7 @@ class Freezer:
         except CheckpointError as e:
             self._refuse(job, now, e, pid)
             return
-        step = next_freeze_step(state, bool((obs.status or {}).get("stopped")))
+        step = next_freeze_step(state, obs.stopped)
         if step == "lock" and job.ram_allowance is not None:
             need = footprint(pid, self.gpus, job.assigned, job.device_bytes or job.mem_bytes)
             if need > job.ram_allowance:
@@ -145,7 +145,7 @@ class Freezer:
         except CheckpointError as e:
             self._abort(job, now, f"thaw failed ({e})")
             return
-        step = next_thaw_step(state, bool((obs.status or {}).get("stopped")))
+        step = next_thaw_step(state, obs.stopped)
         if step == "cont":
             if job.stopped:
                 self.store.update(job.id, now, stopped=False)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuswap.fsutil import atomic_write_json, read_json
+from gpuswap.node import messages
 from gpuswap.runtime import channel
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
@@ -38,13 +39,23 @@ class Observation:
     alive: bool                        # supervisor holds its lock
     spawned_at: Optional[float]        # when the daemon spawned this generation's supervisor
 
+    # The status file's values reach SQLite: read them only through these, which validate
+    # (messages.py); the runtime facts came from the job.
     @property
     def exit(self) -> Optional[dict[str, Any]]:
-        return self.status.get("exit") if self.status else None
+        return messages.exit_facts(self.status.get("exit")) if isinstance(self.status, dict) else None
 
     @property
     def runtime(self) -> dict[str, Any]:
-        return (self.status or {}).get("runtime") or {}
+        return messages.runtime_facts(self.status.get("runtime")) if isinstance(self.status, dict) else {}
+
+    @property
+    def job_pid(self) -> Optional[int]:
+        return messages.pid_or_none(self.status.get("job_pid")) if isinstance(self.status, dict) else None
+
+    @property
+    def stopped(self) -> bool:
+        return isinstance(self.status, dict) and self.status.get("stopped") is True
 
 
 class Launcher:

@@ -60,7 +60,7 @@ class Observer:
         elif job.mechanism == "transparent" and job.state == JobState.RESUMING:
             self.freezer.thawing(job, obs, now)
         elif job.state == JobState.PAUSING:
-            self._pausing(job, rt, bool((obs.status or {}).get("stopped")), now)
+            self._pausing(job, rt, obs.stopped, now)
         elif job.state == JobState.RESUMING:
             self._resuming(job, rt, now)
 
@@ -93,7 +93,7 @@ class Observer:
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
                 home_gpus=job.assigned, assigned=[], step=rt.get("step"),
-                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s', 0):.2f} s",
+                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s",
             )
             return
         if _failed_since(rt, job.pause_requested_at):

@@ -239,6 +239,12 @@ class Store:
             self._db.close()
 
     # -- jobs -------------------------------------------------------------------------------
+    def _rollback(self) -> None:
+        """Undo the open transaction, if SQLite has not already (it does itself on some errors,
+        e.g. a full disk, and a second ROLLBACK would hide that error behind its own)."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+
     def add_jobs(self, jobs: Iterable[NewJob], now: float) -> list[int]:
         """Insert jobs and their PENDING events in one transaction (one fsync for a batch)."""
         ids: list[int] = []
@@ -262,7 +268,7 @@ class Store:
                     ids.append(jid)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
         return ids
 
@@ -326,7 +332,7 @@ class Store:
                         self._db.execute("UPDATE jobs SET reason=? WHERE id=?", (event, job_id))
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def accrue(self, rows: list[tuple[int, float, float, float]]) -> None:

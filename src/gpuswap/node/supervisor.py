@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuswap.fsutil import atomic_write_json, read_json
+from gpuswap.node import messages
 from gpuswap.runtime import channel
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
+MAX_BAD = 64          # invalid control messages one connection may send before it is closed
+MAX_COMPLAINTS = 20   # supervisor.log lines about them, for the supervisor's whole life
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -60,15 +63,30 @@ class Supervisor:
         self.term_sent_at: Optional[float] = None
         self._desired_mtime: Optional[int] = None
         self.desired: dict[str, Any] = {"run": "running"}
+        self._complaints = 0
+        self._unsaved = False
 
     # -- status -----------------------------------------------------------------------------
-    def write_status(self) -> None:
+    def write_status(self) -> bool:
+        """Write status.json; on a full disk keep the job running and retry from the main loop
+        (the old file stays whole, and no temp file is left: fsutil)."""
         with self.lock:
-            atomic_write_json(self.run_dir / "status.json", self.status)
+            try:
+                atomic_write_json(self.run_dir / "status.json", self.status)
+            except OSError as e:
+                if not self._unsaved:
+                    self.log(f"cannot write status.json ({e.strerror or e}); retrying")
+                self._unsaved = True
+                return False
+            self._unsaved = False
+            return True
 
     def log(self, text: str) -> None:
-        with open(self.run_dir / "supervisor.log", "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        try:
+            with open(self.run_dir / "supervisor.log", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        except OSError:
+            pass    # a full disk must not take the job's supervisor down with it
 
     # -- the job process --------------------------------------------------------------------
     def start_child(self) -> bool:
@@ -127,49 +145,73 @@ class Supervisor:
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
+        """Serve one connection. Every line is validated (messages.py): a bad one is ignored and
+        counted, and a connection that sends MAX_BAD of them is closed with one log line."""
+        bad = 0
         try:
-            for msg in channel.read_messages(conn):
+            for line in channel.read_lines(conn, messages.MAX_LINE):
+                try:
+                    if line is None:
+                        raise messages.BadMessage(f"line longer than {messages.MAX_LINE} bytes")
+                    msg = messages.parse(line)
+                except messages.BadMessage as e:
+                    bad += 1
+                    with self.lock:
+                        rt = self.status["runtime"]
+                        rt["rejected"] = rt.get("rejected", 0) + 1
+                    if bad == 1:
+                        self._log_limited(f"ignored an invalid control message ({e}); further ones are counted")
+                    if bad >= MAX_BAD:
+                        self._log_limited(f"closed a control connection after {bad} invalid messages")
+                        break
+                    continue
                 self.on_message(conn, msg)
         except OSError:
             pass
+        conn.close()
         with self.lock:
             if self.conn is conn:
                 self.conn = None
                 self.status["runtime"]["connected"] = False
         self.write_status()
 
-    def on_message(self, conn: socket.socket, msg: dict[str, Any]) -> None:
-        op = msg["op"]
+    def _log_limited(self, text: str) -> None:
+        """A job reconnecting to send junk must not fill the disk with our complaints."""
+        self._complaints += 1
+        if self._complaints <= MAX_COMPLAINTS:
+            self.log(text + (" (no more such lines)" if self._complaints == MAX_COMPLAINTS else ""))
+
+    def on_message(self, conn: socket.socket, msg: messages.Message) -> None:
         with self.lock:
             rt = self.status["runtime"]
-            if op == "hello":   # sent again on every reconnect; `parked` says it is still parked in RAM
+            if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
                 self.conn = conn
                 self.sent = None
-                rt.update(connected=True, attached=True, state="paused" if msg.get("parked") else "running",
-                          pid=msg.get("pid"), restored_step=msg.get("restored_step"),
-                          restored_bytes=msg.get("restored_bytes"), restore_s=msg.get("restore_s"))
-                if msg.get("parked"):
+                rt.update(connected=True, attached=True, state="paused" if msg.parked else "running",
+                          pid=msg.pid, restored_step=msg.restored_step,
+                          restored_bytes=msg.restored_bytes, restore_s=msg.restore_s)
+                if msg.parked:
                     rt["tier"] = "ram"
                 else:
-                    rt["device_bytes"] = msg.get("device_bytes", 0)
-            elif op == "usage":
-                rt.update(device_bytes=msg.get("device_bytes", 0), step=msg.get("step"))
-            elif op == "paused":
-                rt.update(state="paused", tier=msg.get("tier"), bytes=msg.get("bytes", 0),
-                          step=msg.get("step"), pause_s=msg.get("seconds"), device_bytes=0)
+                    rt["device_bytes"] = msg.device_bytes
+            elif isinstance(msg, messages.Usage):
+                rt.update(device_bytes=msg.device_bytes, step=msg.step)
+            elif isinstance(msg, messages.Paused):
+                rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
+                          step=msg.step, pause_s=msg.seconds, device_bytes=0)
                 self.sent = None
-            elif op == "resumed":   # also the answer to a resume that cancelled a pending pause
-                rt.update(state="running", tier=None, resume_s=msg.get("seconds"),
-                          device_bytes=msg.get("bytes") or rt.get("device_bytes", 0))
+            elif isinstance(msg, messages.Resumed):   # also the answer to a resume that cancelled a pending pause
+                rt.update(state="running", tier=None, resume_s=msg.seconds,
+                          device_bytes=msg.bytes or rt.get("device_bytes", 0))
                 self.sent = None
-            elif op == "checkpointed":
-                rt.update(state="checkpointed", tier="disk", bytes=msg.get("bytes", 0),
-                          step=msg.get("step"), pause_s=msg.get("seconds"), ckpt_path=msg.get("path"))
+            elif isinstance(msg, messages.Checkpointed):
+                rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
+                          step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path)
                 self.sent = None
-            elif op == "error":
+            elif isinstance(msg, messages.Error):
                 # The request failed; it is not re-sent (a full disk would make that a loop): the
                 # daemon sees the error and changes what it wants.
-                rt.update(error=str(msg.get("message", ""))[:500], error_at=time.time())
+                rt.update(error=msg.message, error_at=time.time())
             else:
                 return
         self.write_status()
@@ -266,13 +308,16 @@ class Supervisor:
                 pass
             self.read_desired()
             self.reconcile()
+            if self._unsaved:
+                self.write_status()
         self.signal_group(signal.SIGKILL)   # leftovers of the job's session die with it
         sig = -rc if rc < 0 else None
         with self.lock:
             self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": None,
                                    "time": time.time()}
             self.status["runtime"]["connected"] = False
-        self.write_status()
+        while not self.write_status():   # the exit status must land; wait for room on the disk
+            time.sleep(1.0)
         return 0
 
 

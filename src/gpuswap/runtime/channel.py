@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 ENV_JOB_ID = "GPUSWAP_JOB_ID"
 ENV_CONTROL = "GPUSWAP_CONTROL"          # control socket path
@@ -49,22 +49,38 @@ def encode(msg: dict[str, Any]) -> bytes:
     return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
 
 
-def read_messages(sock: socket.socket) -> Iterator[dict[str, Any]]:
-    """Yield messages until the peer closes. Malformed lines are skipped, never fatal."""
-    buf = b""
+def read_lines(sock: socket.socket, max_line: int = MAX_LINE) -> Iterator[Optional[bytes]]:
+    """Yield each line (without its newline) until the peer closes; None for a line longer than
+    `max_line`, which is dropped whole (its tail is never taken for a line of its own)."""
+    buf, skipping = b"", False
     while True:
         chunk = sock.recv(65536)
         if not chunk:
             return
         buf += chunk
-        if len(buf) > MAX_LINE and b"\n" not in buf:
+        while (nl := buf.find(b"\n")) >= 0:
+            line, buf = buf[:nl], buf[nl + 1:]
+            if skipping:
+                skipping = False          # the end of an over-long line
+            elif len(line) > max_line:
+                yield None
+            else:
+                yield line
+        if len(buf) > max_line and not skipping:
+            skipping = True
+            yield None
+        if skipping:
             buf = b""
+
+
+def read_messages(sock: socket.socket) -> Iterator[dict[str, Any]]:
+    """Yield messages until the peer closes. Malformed lines are skipped, never fatal."""
+    for line in read_lines(sock):
+        if line is None:
             continue
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict) and isinstance(msg.get("op"), str):
-                yield msg
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError):   # RecursionError: deeply nested JSON
+            continue
+        if isinstance(msg, dict) and isinstance(msg.get("op"), str):
+            yield msg

@@ -1,0 +1,179 @@
+"""What a job may tell its supervisor, typed and bounded: the one gate for job-supplied values.
+
+Everything on the control socket comes from the job, and the supervisor (root) copies it into
+`status.json`, which the daemon folds into SQLite. An unbounded integer there (SQLite INTEGER is
+64-bit) once made every controller tick fail for every user. So each control message is validated
+here where it is received (`parse`), and the runtime facts are validated again where the daemon
+reads them back (`runtime_facts`): a supervisor of an older version, still running across an
+upgrade, may have written anything. A value that fails costs its job (ignored), never the loop.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter,
+                      ValidationError)
+
+MAX_BYTES = 2**53          # 8 PiB: far above any node's GPU or host memory; exact in a float
+MAX_STEP = 2**53
+MAX_SECONDS = 1e9          # ~31 years
+MAX_PID = 2**22            # the kernel's pid_max ceiling
+MAX_TEXT = 500             # an error message is cut to this; a path longer than PATH_MAX is refused
+MAX_PATH = 4096
+MAX_LINE = 1 << 16         # no valid control message comes near this; a longer line is dropped unread
+
+
+def _cut(v: Any) -> Any:
+    return v[:MAX_TEXT] if isinstance(v, str) else v
+
+
+def _finite(v: Any) -> Any:
+    # Strict: a JSON number only (no bool, no "1e308" string); inf/nan are refused by allow_inf_nan.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("must be a number")
+    try:
+        return float(v)
+    except OverflowError:   # an int beyond a float's range
+        raise ValueError("out of range") from None
+
+
+Bytes = Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)]
+def _step(v: Any) -> Optional[int]:
+    # The step is the user's own counter, informational only: a float step (3.0) is taken, and a
+    # value that is no usable step is dropped rather than costing the message (a park report).
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not v.is_integer():
+        return None
+    return int(v) if -MAX_STEP <= v <= MAX_STEP else None
+
+
+Step = Annotated[Optional[int], BeforeValidator(_step)]
+Seconds = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Timestamp = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=1e11, allow_inf_nan=False)]
+Pid = Annotated[StrictInt, Field(ge=1, le=MAX_PID)]
+Text = Annotated[str, BeforeValidator(_cut), Field(strict=True)]
+FsPath = Annotated[str, Field(strict=True, max_length=MAX_PATH)]
+TierName = Literal["ram", "disk"]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Hello(_Msg):
+    op: Literal["hello"]
+    pid: Optional[Pid] = None
+    device_bytes: Bytes = 0
+    parked: StrictBool = False
+    restored_step: Step = None
+    restored_bytes: Optional[Bytes] = None
+    restore_s: Optional[Seconds] = None
+
+
+class Usage(_Msg):
+    op: Literal["usage"]
+    device_bytes: Bytes = 0
+    step: Step = None
+
+
+class Paused(_Msg):
+    op: Literal["paused"]
+    tier: Optional[TierName] = None
+    bytes: Bytes = 0
+    seconds: Optional[Seconds] = None
+    step: Step = None
+
+
+class Resumed(_Msg):
+    op: Literal["resumed"]
+    bytes: Optional[Bytes] = None
+    seconds: Optional[Seconds] = None
+
+
+class Checkpointed(_Msg):
+    op: Literal["checkpointed"]
+    path: Optional[FsPath] = None
+    bytes: Bytes = 0
+    seconds: Optional[Seconds] = None
+    step: Step = None
+
+
+class Error(_Msg):
+    op: Literal["error"]
+    message: Text = ""
+
+
+Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error]
+OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error"})
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="op")])
+
+
+class BadMessage(ValueError):
+    """A control line that is not a valid message (the runtime ships with the supervisor, so an
+    unknown op is as invalid as any other)."""
+
+
+def parse(line: bytes) -> Message:
+    """One control line -> a validated message, or BadMessage saying why (one short line)."""
+    try:
+        return _MESSAGE.validate_json(line)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in err["loc"][1:] if p)
+        raise BadMessage(f"{where + ': ' if where else ''}{err['msg']}"[:200]) from None
+
+
+# The runtime facts the supervisor keeps in status.json["runtime"], as the daemon may use them.
+_FACTS: dict[str, TypeAdapter[Any]] = {
+    name: TypeAdapter(kind) for name, kind in {
+        "connected": StrictBool, "attached": StrictBool,
+        "state": Optional[Literal["running", "paused", "checkpointed"]], "tier": Optional[TierName],
+        "pid": Optional[Pid], "device_bytes": Bytes, "bytes": Bytes, "step": Step,
+        "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
+        "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
+        "error": Text, "error_at": Timestamp, "rejected": Bytes,
+    }.items()
+}
+
+
+def runtime_facts(raw: Any) -> dict[str, Any]:
+    """status.json's `runtime` with every field that is absent or invalid left out."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, adapter in _FACTS.items():
+        if name in raw:
+            try:
+                out[name] = adapter.validate_python(raw[name], strict=None)
+            except ValidationError:
+                pass
+    return out
+
+
+def pid_or_none(v: Any) -> Optional[int]:
+    """A job pid read back from status.json, if it is one."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_PID else None
+
+
+
+def exit_facts(raw: Any) -> Optional[dict[str, Any]]:
+    """status.json's `exit` (written by the supervisor itself), each field checked all the same."""
+    if not isinstance(raw, dict):
+        return None
+    code, sig, error = raw.get("code"), raw.get("signal"), raw.get("error")
+    return {
+        "code": code if _small_int(code) else None,
+        "signal": sig if _small_int(sig) and 0 < sig < 128 else None,
+        "error": error[:MAX_TEXT] if isinstance(error, str) and error else None,
+        "time": raw.get("time") if isinstance(raw.get("time"), (int, float)) else None,
+    }
+
+
+def pid_or_none(v: Any) -> Optional[int]:
+    """A job pid read back from status.json, if it is one."""
+    return v if _small_int(v) and 1 <= v <= MAX_PID else None
+
+
+def _small_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31
