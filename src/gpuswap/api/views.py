@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from gpuswap.api.limits import check_command
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.store import Event, JobRecord
@@ -20,6 +21,11 @@ class SubmitRequest(BaseModel):
     mem: Optional[Union[str, int]] = None
     preemptible: bool = True
     pause_mode: str = Field(default="auto", pattern="^(auto|cooperative|transparent)$")
+
+    @model_validator(mode="after")
+    def _within_size_limits(self) -> "SubmitRequest":
+        check_command(self.argv, self.env)     # api/limits.py: bytes, not just counts
+        return self
 
 
 class PauseRequest(BaseModel):
