@@ -68,10 +68,11 @@ CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user);
 -- A job's bulky, rarely read data, out of the hot `jobs` rows (which the controller and every
 -- listing scan): its argv (read for records) and its environment (read only to launch it;
 -- dropped once the job ends). Deleted with the job by the retention sweep (node/retention.py).
+-- (argv_bytes first: reading it must not walk the overflow pages of the bulky columns after it)
 CREATE TABLE IF NOT EXISTS job_specs (
     job_id INTEGER PRIMARY KEY,
-    argv TEXT NOT NULL,
     argv_bytes INTEGER NOT NULL,
+    argv TEXT NOT NULL,
     env TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -192,6 +193,7 @@ _RECORD_FIELDS = [f.name for f in fields(JobRecord)]
 # argv lives in job_specs (see SCHEMA); every query that builds records reads `_RECORD_FROM`.
 _RECORD_COLUMNS = ", ".join("s.argv" if n == "argv" else f"j.{n}" for n in _RECORD_FIELDS)
 _RECORD_FROM = "jobs j LEFT JOIN job_specs s ON s.job_id = j.id"
+_RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
 _JSON_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _JSON_COLUMNS]
 _BOOL_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _BOOL_COLUMNS]
 _STATE_INDEX = _RECORD_FIELDS.index("state")
@@ -417,10 +419,20 @@ class Store:
                 ids.append(jid)
                 total += size
             more = len(ids) < len(sizes)
+            return self._records(ids), more
+
+    def _records(self, ids: list[int], argv: bool = True) -> list[JobRecord]:
+        """The jobs with these ids, in id order (without argv: `argv` = [], job_specs unread).
+        Listings pick ids from `jobs` alone first, so a filter or sort never reads the argv of
+        rows it then drops."""
+        if not ids:
+            return []
+        columns, source = (_RECORD_COLUMNS, _RECORD_FROM) if argv else (_RECORD_COLUMNS_NO_ARGV, "jobs j")
+        with self._lock:
             rows = self._db.execute(
-                f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.id IN ({','.join('?' * len(ids))}) "
-                "ORDER BY j.id", ids).fetchall() if ids else []
-        return [JobRecord.from_row(r) for r in rows], more
+                f"SELECT {columns} FROM {source} WHERE j.id IN ({','.join('?' * len(ids))}) "
+                "ORDER BY j.id", ids).fetchall()
+        return [JobRecord.from_row(r) for r in rows]
 
     def count(self, user: Optional[str] = None) -> int:
         with self._lock:
@@ -429,16 +441,16 @@ class Store:
             return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE user=?", (user,)).fetchone()[0])
 
     def recent_finished(self, user: Optional[str], n: int) -> list[JobRecord]:
-        """The `n` newest finished jobs (of `user`), oldest first: read through the id index, so
-        thousands of finished jobs cost no more than twenty."""
-        sql = f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.state IN {_TERMINAL_SQL}"
+        """The `n` newest finished jobs (of `user`), oldest first, without their argv (summaries):
+        read through the id index, so thousands of finished jobs cost no more than twenty."""
+        sql = f"SELECT id FROM jobs WHERE state IN {_TERMINAL_SQL}"
         args: list[Any] = []
         if user is not None:
-            sql += " AND j.user=?"
+            sql += " AND user=?"
             args.append(user)
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY j.id DESC LIMIT ?", [*args, n]).fetchall()
-        return [JobRecord.from_row(r) for r in reversed(rows)]
+            ids = [r[0] for r in self._db.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, n]).fetchall()]
+        return self._records(ids, argv=False)
 
     def expired(self, ended_before: float, limit: int) -> list[int]:
         """Ids of finished jobs that ended before `ended_before`, oldest first."""
