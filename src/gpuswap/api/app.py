@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 import gpuswap
 from gpuswap.api import schema, storage_errors
 from gpuswap.api.auth import Authorizer, Caller
+from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_headers
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap.node.controller import Controller
@@ -93,12 +94,20 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         return {"id": job_id, "name": name, "state": JobState.PENDING.value}
 
     @app.get("/v1/jobs")
-    def list_jobs(all_users: bool = Query(False, alias="all"), who: Caller = Depends(caller)) -> list[dict]:
+    def list_jobs(response: Response, all_users: bool = Query(False, alias="all"),
+                  limit: int = Query(MAX_PAGE_JOBS, ge=1, le=MAX_PAGE_JOBS, description="most jobs in the page"),
+                  before: Optional[int] = Query(None, ge=1, le=2**62, description="the newest jobs below this id"),
+                  after: Optional[int] = Query(None, ge=0, le=2**62, description="the oldest jobs above this id"),
+                  who: Caller = Depends(caller)) -> list[dict]:
+        """One page of jobs in id order: the newest `limit` (below `before`), or with `after` the
+        oldest above it. X-Next-Before / X-Next-After say where the next page starts, if any."""
         if all_users and not who.admin:
             raise HTTPException(403, "only admins can list every user's jobs")
+        user = None if all_users else who.user
+        jobs, more = store.page(user, limit, before=before, after=after, max_bytes=PAGE_ARGV_BYTES)
+        response.headers.update(page_headers(more, jobs, after, store.count(user)))
         now = time.time()
-        return [job_record(j, now, gpus_simulated=gpus.simulated)
-                for j in store.list(user=None if all_users else who.user)]
+        return [job_record(j, now, gpus_simulated=gpus.simulated) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))
     def show(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
@@ -210,4 +219,5 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     from gpuswap.api.web import mount   # overview, tokens, /metrics, dashboard (issue 6)
 
     mount(app, store, controller, gpus, launcher, authorizer)
+    app.add_middleware(BodyLimit)   # outermost: a huge body is refused before anything reads it
     return app

@@ -57,8 +57,8 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
         "jobs": [j.id for j in holders.get(g.index, [])],
     } for g in devices]
     jobs = [job_summary(j, who, now, pending_reason(j, live, len(devices))) for j in live]
-    finished = [j for j in store.list(user=None if who.admin else who.user) if j.state.terminal]
-    jobs += [job_summary(j, who, now, None) for j in finished[-RECENT_FINISHED:]]
+    finished = store.recent_finished(None if who.admin else who.user, RECENT_FINISHED)
+    jobs += [job_summary(j, who, now, None) for j in finished]
     tiers = {"ram": 0, "disk": 0}
     for j in live:
         if j.parked in tiers:

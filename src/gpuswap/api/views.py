@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from gpuswap.api.limits import check_command
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.store import Event, JobRecord
@@ -35,6 +36,11 @@ class SubmitRequest(BaseModel):
             if isinstance(value, str):
                 _exec_text(value, info.field_name or "value")
         return v
+
+    @model_validator(mode="after")
+    def _within_size_limits(self) -> "SubmitRequest":
+        check_command(self.argv, self.env)     # api/limits.py: bytes, not just counts
+        return self
 
 
 def _exec_text(text: str, what: str) -> None:

@@ -14,6 +14,7 @@ from gpuswap.api.client import EX_FAILURE, EX_USAGE, Client, ClientError, defaul
 from gpuswap.jobs import parse_size
 
 EX_TIMEOUT = 124
+LS_DEFAULT = 100
 
 
 class UsageError(Exception):
@@ -37,9 +38,24 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration(text: str) -> Optional[float]:
+    from gpuswap.node.retention import parse_duration
+
+    try:
+        return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -69,6 +85,9 @@ def build_parser() -> Parser:
                    help="keep dcgm-exporter job-mapping files here (its --hpc-job-mapping-dir)")
     s.add_argument("--listen", metavar="HOST:PORT",
                    help="also serve the API and web dashboard on TCP, with bearer tokens (`gpuswap token create`)")
+    s.add_argument("--retention", type=_duration, default=30 * 86400.0, metavar="DURATION",
+                   help="forget finished jobs this long after they end: record, events, output.log and "
+                        "job directory (e.g. 30d, 12h, never; default 30d)")
     s.set_defaults(func=cmd_server)
 
     s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...")
@@ -87,6 +106,8 @@ def build_parser() -> Parser:
 
     s = sub.add_parser("ls", help="list your jobs")
     s.add_argument("--all-users", "-a", action="store_true", help="every user's jobs (admins)")
+    s.add_argument("--limit", "-n", type=_count, default=LS_DEFAULT, metavar="N",
+                   help=f"the newest N jobs (default {LS_DEFAULT}; 0: every job, fetched a page at a time)")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_ls)
 
@@ -151,7 +172,8 @@ def cmd_server(a: argparse.Namespace) -> int:
                             min_runtime_s=a.min_runtime, max_switch_fraction=a.max_switch_fraction,
                             pause_timeout_s=a.pause_timeout,
                             no_runtime=a.no_runtime, ram_budget=a.ram_budget, admin_group=a.admin_group,
-                            listen=a.listen, dcgm_job_mapping_dir=a.dcgm_job_mapping_dir))
+                            listen=a.listen, dcgm_job_mapping_dir=a.dcgm_job_mapping_dir,
+                            retention_s=a.retention))
     except OptionError as e:
         print(f"gpuswap server: {e}", file=sys.stderr)
         return EX_USAGE
@@ -176,9 +198,27 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
+    """The newest --limit jobs, or every job by following the API's pages (oldest first)."""
     from gpuswap.cli import render
 
-    jobs = _client().get("/v1/jobs", params={"all": "true"} if a.all_users else None)
+    client, params = _client(), {"all": "true"} if a.all_users else {}
+    if a.limit:
+        r = client.request("GET", "/v1/jobs", params={**params, "limit": min(a.limit, 1000)})
+        jobs = r.json()
+        while len(jobs) < a.limit and "X-Next-Before" in r.headers:
+            r = client.request("GET", "/v1/jobs", params={**params, "limit": min(a.limit - len(jobs), 1000),
+                                                           "before": r.headers["X-Next-Before"]})
+            jobs = r.json() + jobs
+        total = int(r.headers.get("X-Total-Count", len(jobs)))
+        if total > len(jobs) and not a.json:
+            print(f"(the newest {len(jobs)} of {total} jobs; `gpuswap ls --limit 0` lists them all)",
+                  file=sys.stderr)
+    else:
+        jobs, after = [], 0
+        while after is not None:
+            r = client.request("GET", "/v1/jobs", params={**params, "after": after})
+            jobs += r.json()
+            after = r.headers.get("X-Next-After")
     _out(a, jobs, render.jobs_table)
     return 0
 

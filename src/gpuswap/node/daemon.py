@@ -46,6 +46,7 @@ class ServerOptions:
     admin_group: Optional[str] = "gpuswap-admin"
     listen: Optional[str] = None      # HOST:PORT for a TCP listener with bearer tokens
     dcgm_job_mapping_dir: Optional[Path] = None   # dcgm-exporter --hpc-job-mapping-dir
+    retention_s: Optional[float] = 30 * 86400     # forget finished jobs this long after they end; None: never
 
 
 def check_options(opts: ServerOptions) -> None:
@@ -61,6 +62,8 @@ def check_options(opts: ServerOptions) -> None:
                         ("--max-switch-fraction", opts.max_switch_fraction)):
         if not math.isfinite(value) or value < 0:
             raise OptionError(f"{flag} {value:g} must be a finite number >= 0")
+    if opts.retention_s is not None and not (math.isfinite(opts.retention_s) and opts.retention_s >= 0):
+        raise OptionError(f"--retention {opts.retention_s:g} must be a finite number of seconds >= 0")
     if opts.ram_budget is not None and opts.ram_budget < 0:
         raise OptionError(f"--ram-budget {opts.ram_budget} must be >= 0 bytes")
     if opts.simulate_gpus is not None:
@@ -113,6 +116,8 @@ def serve(opts: ServerOptions) -> None:
     from gpuswap.api.auth import Authorizer, PeerCredProtocol
     from gpuswap.api.tokens import TokenBook
     from gpuswap.node.listener import ListenError, TcpListener, bind, public_url
+    from gpuswap.node.conn_guard import ConnectionGuard, connection_budget, guarded, quiet_accept_errors, server_limits
+    from gpuswap.node.retention import RetentionSweeper
 
     check_options(opts)
     home = opts.home
@@ -149,7 +154,12 @@ def serve(opts: ServerOptions) -> None:
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = create_app(store, controller, gpus, launcher, Authorizer(opts.admin_group, TokenBook(store)))
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None
-    tcp = TcpListener(app, tcp_sock) if tcp_sock else None
+    # Connections within the fd limit, idle ones timed out, EMFILE logged once (conn_guard.py).
+    quiet_accept_errors()
+    cap = connection_budget(2 if tcp_sock else 1)
+    uds_guard = ConnectionGuard(f"the Unix socket {socket_path(home)}", cap)
+    tcp = TcpListener(app, tcp_sock, ConnectionGuard(f"--listen {opts.listen}", cap)) if tcp_sock else None
+    sweeper = RetentionSweeper(store, launcher, opts.retention_s) if opts.retention_s is not None else None
 
     sock = socket_path(home)
     if sock.exists():
@@ -161,6 +171,8 @@ def serve(opts: ServerOptions) -> None:
           f"listening on {sock}" + (f" and {app.state.public_url} (bearer tokens)" if tcp else ""), flush=True)
     if tcp:
         tcp.start()
+    if sweeper:
+        sweeper.start()
     dcgm = None
     if opts.dcgm_job_mapping_dir:
         from gpuswap.node.dcgm import MappingWriter
@@ -168,11 +180,14 @@ def serve(opts: ServerOptions) -> None:
         dcgm = MappingWriter(opts.dcgm_job_mapping_dir, lambda: store.list(live_only=True),
                              lambda: [g.index for g in gpus.list()])
         dcgm.start()
-    server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), http=PeerCredProtocol, lifespan="off",
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), http=guarded(PeerCredProtocol, uds_guard),
+                                           lifespan="off", log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=2, **server_limits(uds_guard)))
     try:
         server.run()
     finally:
+        if sweeper:
+            sweeper.stop()
         if tcp:
             tcp.stop()
         if dcgm:

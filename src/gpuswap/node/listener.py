@@ -50,12 +50,17 @@ def public_url(sock: socket.socket) -> str:
 class TcpListener:
     """A second uvicorn server (plain h11) on its own thread and event loop, serving `app`."""
 
-    def __init__(self, app: Any, sock: socket.socket):
+    def __init__(self, app: Any, sock: socket.socket, guard: Any):
         import uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        from gpuswap.node.conn_guard import guarded, server_limits
 
         self.sock = sock
-        self.server = uvicorn.Server(uvicorn.Config(app, http="h11", lifespan="off", log_level="warning",
-                                                    access_log=False, timeout_graceful_shutdown=2))
+        # `guard` (a conn_guard.ConnectionGuard): connections within the fd budget, idle ones closed.
+        self.server = uvicorn.Server(uvicorn.Config(app, http=guarded(H11Protocol, guard), lifespan="off",
+                                                    log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=2, **server_limits(guard)))
         self.thread: Optional[threading.Thread] = None
 
     def start(self) -> None:

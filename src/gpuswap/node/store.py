@@ -23,9 +23,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     user TEXT NOT NULL,
     uid INTEGER NOT NULL,
     gid INTEGER NOT NULL,
-    argv TEXT NOT NULL,
     cwd TEXT NOT NULL,
-    env TEXT NOT NULL,
     priority INTEGER NOT NULL,
     gpus INTEGER NOT NULL,
     mem_bytes INTEGER NOT NULL,
@@ -67,6 +65,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user);
+-- A job's bulky, rarely read data, out of the hot `jobs` rows (which the controller and every
+-- listing scan): its argv (read for records) and its environment (read only to launch it;
+-- dropped once the job ends). Deleted with the job by the retention sweep (node/retention.py).
+-- (argv_bytes first: reading it must not walk the overflow pages of the bulky columns after it)
+CREATE TABLE IF NOT EXISTS job_specs (
+    job_id INTEGER PRIMARY KEY,
+    argv_bytes INTEGER NOT NULL,
+    argv TEXT NOT NULL,
+    env TEXT
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id INTEGER NOT NULL,
@@ -82,6 +90,7 @@ CREATE TABLE IF NOT EXISTS decisions (
     job_id INTEGER NOT NULL,
     detail TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS decisions_job ON decisions(job_id);
 CREATE TABLE IF NOT EXISTS usage (
     user TEXT PRIMARY KEY,
     gpu_s REAL NOT NULL,
@@ -105,7 +114,9 @@ CREATE TABLE IF NOT EXISTS tokens (
 """
 
 _JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus"}
-# Every column but `env`: a job's environment (kilobytes) is read only when it is launched.
+_TERMINAL = tuple(s.value for s in JobState if s.terminal)
+_TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
+_ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
 
 _BOOL_COLUMNS = {"preemptible", "hold", "no_runtime", "stopped", "cancel_requested", "attached"}
 
@@ -171,7 +182,7 @@ class JobRecord:
         values = list(row)
         for i in _JSON_INDEXES:
             v = values[i]
-            values[i] = [] if v == "[]" else json.loads(v)   # '[]' is most rows' GPU lists
+            values[i] = [] if v in ("[]", None) else json.loads(v)   # '[]' is most rows' GPU lists
         for i in _BOOL_INDEXES:
             values[i] = bool(values[i])
         values[_STATE_INDEX] = JobState(values[_STATE_INDEX])
@@ -179,7 +190,10 @@ class JobRecord:
 
 
 _RECORD_FIELDS = [f.name for f in fields(JobRecord)]
-_RECORD_COLUMNS = ", ".join(_RECORD_FIELDS)
+# argv lives in job_specs (see SCHEMA); every query that builds records reads `_RECORD_FROM`.
+_RECORD_COLUMNS = ", ".join("s.argv" if n == "argv" else f"j.{n}" for n in _RECORD_FIELDS)
+_RECORD_FROM = "jobs j LEFT JOIN job_specs s ON s.job_id = j.id"
+_RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
 _JSON_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _JSON_COLUMNS]
 _BOOL_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _BOOL_COLUMNS]
 _STATE_INDEX = _RECORD_FIELDS.index("state")
@@ -228,7 +242,28 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
+        self._migrate()
         self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
+
+    def _migrate(self) -> None:
+        """A database written by an earlier version kept argv and env in `jobs`: move them to
+        job_specs (finished jobs' environments are dropped, as they now are when a job ends) and
+        drop the columns, in one transaction, so a crash leaves either schema, never a mix."""
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "env" not in columns:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute(
+                "INSERT OR REPLACE INTO job_specs (job_id, argv, argv_bytes, env) "
+                f"SELECT id, argv, length(CAST(argv AS BLOB)), "
+                f"CASE WHEN state IN {_TERMINAL_SQL} THEN NULL ELSE env END FROM jobs")
+            self._db.execute("ALTER TABLE jobs DROP COLUMN argv")
+            self._db.execute("ALTER TABLE jobs DROP COLUMN env")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def _next_version(self) -> int:
         self._version += 1
@@ -253,14 +288,17 @@ class Store:
             try:
                 for j in jobs:
                     cur = self._db.execute(
-                        "INSERT INTO jobs (name,user,uid,gid,argv,cwd,env,priority,gpus,mem_bytes,"
+                        "INSERT INTO jobs (name,user,uid,gid,cwd,priority,gpus,mem_bytes,"
                         "preemptible,pause_mode,state,reason,submit_time,state_since,version) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (j.name, j.user, j.uid, j.gid, json.dumps(j.argv), j.cwd, json.dumps(j.env),
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        (j.name, j.user, j.uid, j.gid, j.cwd,
                          j.priority, j.gpus, j.mem_bytes, int(j.preemptible), j.pause_mode,
                          JobState.PENDING.value, "submitted", now, now, self._next_version()),
                     )
                     jid = int(cur.lastrowid)
+                    argv = json.dumps(j.argv)
+                    self._db.execute("INSERT INTO job_specs (job_id,argv,argv_bytes,env) VALUES (?,?,?,?)",
+                                     (jid, argv, len(argv.encode("utf-8", "surrogatepass")), json.dumps(j.env)))
                     self._db.execute(
                         "INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
                         (jid, now, JobState.PENDING.value, "submitted"),
@@ -274,31 +312,32 @@ class Store:
 
     def get(self, job_id: int) -> Optional[JobRecord]:
         with self._lock:
-            row = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.id=?",
+                                   (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
 
     def env(self, job_id: int) -> dict[str, str]:
-        """The environment the job was submitted with (needed only to launch it)."""
+        """The environment the job was submitted with (needed only to launch it; {} once it ended)."""
         with self._lock:
-            row = self._db.execute("SELECT env FROM jobs WHERE id=?", (job_id,)).fetchone()
-        return json.loads(row[0]) if row else {}
+            row = self._db.execute("SELECT env FROM job_specs WHERE job_id=?", (job_id,)).fetchone()
+        return json.loads(row[0]) if row and row[0] is not None else {}
 
     def list(self, user: Optional[str] = None, live_only: bool = False,
              states: Optional[Iterable[JobState]] = None) -> list[JobRecord]:
-        sql, args = f"SELECT {_RECORD_COLUMNS} FROM jobs", []
+        sql, args = f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM}", []
         where = []
         if user is not None:
-            where.append("user=?")
+            where.append("j.user=?")
             args.append(user)
         if live_only:
-            where.append("state NOT IN ('COMPLETED','FAILED','CANCELLED')")
+            where.append(f"j.state NOT IN {_TERMINAL_SQL}")
         if states is not None:
             wanted = [s.value for s in states]
-            where.append(f"state IN ({','.join('?' * len(wanted))})")
+            where.append(f"j.state IN ({','.join('?' * len(wanted))})")
             args.extend(wanted)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY id"
+        sql += " ORDER BY j.id"
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
         return [JobRecord.from_row(r) for r in rows]
@@ -322,6 +361,8 @@ class Store:
                         f"UPDATE jobs SET {cols} WHERE id=?",
                         [_encode(k, v) for k, v in changes.items()] + [job_id],
                     )
+                if changes.get("state") in _ENDED:   # its environment is never needed again
+                    self._db.execute("UPDATE job_specs SET env=NULL WHERE job_id=?", (job_id,))
                 if event is not None:
                     state = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()[0]
                     self._db.execute(
@@ -352,9 +393,95 @@ class Store:
         """Jobs written after `version` (an informer's incremental read), oldest change first."""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_RECORD_COLUMNS} FROM jobs WHERE version > ? ORDER BY version", (version,)
+                f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.version > ? ORDER BY j.version", (version,)
             ).fetchall()
         return [JobRecord.from_row(r) for r in rows]
+
+    # -- bounded listings and retention (issue 10: many finished jobs must cost nothing) ----
+    def page(self, user: Optional[str], limit: int, before: Optional[int] = None,
+             after: Optional[int] = None, max_bytes: int = 1 << 62) -> tuple[list[JobRecord], bool]:
+        """At most `limit` jobs in id order, and no more argv bytes than `max_bytes` (at least one
+        job): after `after` (the oldest first), else the newest below `before` (or the newest of
+        all). Returns (jobs, more): whether jobs remain beyond the page in that direction."""
+        where, args = ["1"], []
+        if user is not None:
+            where.append("j.user=?")
+            args.append(user)
+        if after is not None:
+            where.append("j.id>?")
+            args.append(after)
+        elif before is not None:
+            where.append("j.id<?")
+            args.append(before)
+        order = "ASC" if after is not None else "DESC"
+        with self._lock:
+            sizes = self._db.execute(
+                f"SELECT j.id, COALESCE(s.argv_bytes, 0) FROM {_RECORD_FROM} WHERE {' AND '.join(where)} "
+                f"ORDER BY j.id {order} LIMIT ?", [*args, limit + 1]).fetchall()
+            ids, total = [], 0
+            for jid, size in sizes[:limit]:
+                if ids and total + size > max_bytes:
+                    break
+                ids.append(jid)
+                total += size
+            more = len(ids) < len(sizes)
+            return self._records(ids), more
+
+    def _records(self, ids: list[int], argv: bool = True) -> list[JobRecord]:
+        """The jobs with these ids, in id order (without argv: `argv` = [], job_specs unread).
+        Listings pick ids from `jobs` alone first, so a filter or sort never reads the argv of
+        rows it then drops."""
+        if not ids:
+            return []
+        columns, source = (_RECORD_COLUMNS, _RECORD_FROM) if argv else (_RECORD_COLUMNS_NO_ARGV, "jobs j")
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {columns} FROM {source} WHERE j.id IN ({','.join('?' * len(ids))}) "
+                "ORDER BY j.id", ids).fetchall()
+        return [JobRecord.from_row(r) for r in rows]
+
+    def count(self, user: Optional[str] = None) -> int:
+        with self._lock:
+            if user is None:
+                return int(self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
+            return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE user=?", (user,)).fetchone()[0])
+
+    def recent_finished(self, user: Optional[str], n: int) -> list[JobRecord]:
+        """The `n` newest finished jobs (of `user`), oldest first, without their argv (summaries):
+        read through the id index, so thousands of finished jobs cost no more than twenty."""
+        sql = f"SELECT id FROM jobs WHERE state IN {_TERMINAL_SQL}"
+        args: list[Any] = []
+        if user is not None:
+            sql += " AND user=?"
+            args.append(user)
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, n]).fetchall()]
+        return self._records(ids, argv=False)
+
+    def expired(self, ended_before: float, limit: int) -> list[int]:
+        """Ids of finished jobs that ended before `ended_before`, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT id FROM jobs WHERE state IN {_TERMINAL_SQL} AND COALESCE(end_time, state_since) < ? "
+                "ORDER BY id LIMIT ?", (ended_before, limit)).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def delete_finished(self, job_id: int) -> bool:
+        """Forget a finished job: its row, spec, events and decisions, in one transaction. A job
+        that is not finished is never touched (returns False)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                gone = self._db.execute(f"DELETE FROM jobs WHERE id=? AND state IN {_TERMINAL_SQL}",
+                                        (job_id,)).rowcount > 0
+                if gone:
+                    for table in ("job_specs", "events", "decisions"):
+                        self._db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return gone
 
     def events(self, job_id: int) -> list[Event]:
         with self._lock:
