@@ -97,7 +97,9 @@ def test_submit_and_resume_on_a_full_disk_are_507_and_change_nothing(small_disk)
         filler = small_disk / "filler"
         _fill(filler)
         with http(small_disk) as c:
-            big_env = {"PAD": "x" * (1 << 20)}     # more than SQLite's WAL has room for
+            # Near the size limits (docs/limits.md: one string 128 KiB, env 256 KiB in all): more than
+            # the room SQLite's WAL already holds.
+            big_env = {"PAD": "x" * (120 << 10), "PAD2": "y" * (120 << 10)}
             r = c.post("/v1/jobs", json={"argv": ["true"], "cwd": "/", "env": big_env})
             assert r.status_code == 507, (r.status_code, r.text)
             assert "disk is full" in r.json()["detail"], r.text
