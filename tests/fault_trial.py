@@ -60,11 +60,11 @@ payloads = [bytes.fromhex(h) for h in open(sys.argv[2]).read().split()]
 ctl = os.environ.get("GPUSWAP_CONTROL")
 held = []
 if ctl:
-    from gpuswap.runtime.channel import socket_address
+    from gpuswap.runtime.channel import connect
     for p in payloads:
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(socket_address(ctl))
+            connect(s, ctl)
             s.sendall(p)
             held.append(s)
         except OSError as e:

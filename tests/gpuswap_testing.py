@@ -97,3 +97,89 @@ class Daemon:
 def train_cmd(out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64) -> list[str]:
     return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
             "--out", str(out), "--hidden", str(hidden)]
+
+
+def ensure_user(name: str) -> tuple[int, int]:
+    """(uid, gid) of an ordinary local user, created (no home, no login shell) if absent. Root only."""
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+                       check=False, capture_output=True)   # a parallel worker may have made it first
+        pw = pwd.getpwnam(name)
+    return pw.pw_uid, pw.pw_gid
+
+
+class AsUser:
+    """Runs code as another uid in a forked child (the interpreter lives under /root, which an
+    ordinary user cannot exec), so the kernel and the daemon see that user's real credentials."""
+
+    def __init__(self, uid: int, gid: int):
+        self.uid, self.gid = uid, gid
+
+    def call(self, fn: Callable[[], Any], cwd: str = "/") -> Any:
+        """fn() as the user, in `cwd` (entered as the user); its result must be JSON-able. An
+        exception is returned as {"error": type name, "errno": ..., "message": ...}."""
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                os.setgroups([])
+                os.setgid(self.gid)
+                os.setuid(self.uid)
+                os.chdir(cwd)
+                out = json.dumps({"ok": fn()})
+            except BaseException as e:   # report anything to the parent
+                out = json.dumps({"error": type(e).__name__, "errno": getattr(e, "errno", None),
+                                  "message": str(e)})
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        os.close(r)
+        os.waitpid(pid, 0)
+        res = json.loads(data)
+        return res["ok"] if "ok" in res else res
+
+    def api(self, home: Path, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any]:
+        """One raw API request as the user: (status code, JSON body)."""
+        import httpx
+
+        def run() -> list[Any]:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
+                              base_url="http://x", timeout=60) as c:
+                r = c.request(method, path, json=body)
+                return [r.status_code, r.json()]
+
+        res = self.call(run)
+        assert isinstance(res, list), res
+        return res[0], res[1]
+
+    def cli(self, home: Path, *args: str, cwd: str = "/tmp",
+            env: Optional[dict[str, str]] = None) -> tuple[int, str, str]:
+        """The real CLI (gpuswap.cli.main.main) as the user: (exit code, stdout, stderr)."""
+        import io
+        import contextlib
+
+        from gpuswap.cli import main as cli_main, render, remote, slurm_wrap, top  # noqa: F401
+        # Everything the CLI imports is loaded before the switch (the user cannot read /root).
+        cli_main.build_parser()
+
+        def run() -> list[Any]:
+            os.environ["GPUSWAP_HOME"] = str(home)
+            os.environ.update(env or {})
+            out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")   # `logs` writes to .buffer
+            err = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = cli_main.main(list(args))
+            out.flush()
+            return [code, out.buffer.getvalue().decode(errors="replace"), err.getvalue()]
+
+        res = self.call(run, cwd=cwd)
+        assert isinstance(res, list), res
+        return res[0], res[1], res[2]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from gpuswap.api.client import ClientError
+
 
 def test_submit_wait_exit_code_and_logs(daemon):
     r = daemon.cli("submit", "--name", "hello", "--json", "--", "sh", "-c", "echo out-line; echo err-line >&2; exit 3")
@@ -32,7 +34,7 @@ def test_job_environment(daemon):
     assert "CUDA_VISIBLE_DEVICES=0" in out
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in out
     assert f"GPUSWAP_JOB_ID={job_id}" in out
-    assert "GPUSWAP_CONTROL=@gpuswap/" in out
+    assert f"GPUSWAP_CONTROL={daemon.home}/jobs/{job_id}/run-1/control" in out
     assert "GPUSWAP_SIMULATED_GPU=1" in out
 
 
@@ -195,9 +197,17 @@ def test_refused_pause_exits_1(daemon):
     daemon.cli("cancel", str(job))
 
 
-def test_missing_working_directory_is_blamed_not_the_command(daemon, tmp_path):
+def test_missing_working_directory_is_refused_at_submit_or_blamed_not_the_command(daemon, tmp_path):
     gone = tmp_path / "gone"
     body = {"argv": ["true"], "cwd": str(gone), "env": daemon.env}
+    with pytest.raises(ClientError) as refused:            # absent at submit: a clear 400 (CLI exit 64)
+        daemon.client.post("/v1/jobs", body)
+    assert refused.value.exit_code == 64 and str(gone) in str(refused.value), refused.value
+    gone.mkdir()                                           # there at submit, gone at the start
+    blocker = daemon.submit(["sleep", "60"])
+    daemon.state(blocker, "RUNNING")
     job = int(daemon.client.post("/v1/jobs", body)["id"])
+    gone.rmdir()
+    daemon.cli("cancel", str(blocker))
     j = daemon.state(job, "FAILED")
     assert "working directory" in j["reason"] and str(gone) in j["reason"], j["reason"]

@@ -18,7 +18,7 @@ from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_r
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
-from gpuswap.node.launcher import Launcher
+from gpuswap.node.launcher import Launcher, cwd_problem
 from gpuswap.node.store import JobRecord, NewJob, Store
 
 MAX_WAIT_S = 30.0
@@ -85,6 +85,9 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if who.uid != os.geteuid() and os.geteuid() != 0:
             raise HTTPException(403, "this daemon does not run as root, so it can only run jobs as "
                                      "its own user; ask an admin to run `gpuswap server` as root")
+        problem = cwd_problem(req.cwd, who.uid, who.gid)   # checked as the caller, by the kernel
+        if problem:
+            raise HTTPException(400, problem)
         name = req.name or os.path.basename(req.argv[0])
         [job_id] = store.add_jobs([NewJob(name=name, user=who.user, uid=who.uid, gid=who.gid, argv=req.argv,
                                           cwd=req.cwd, env=req.env, priority=int(prio), gpus=req.gpus,

@@ -191,7 +191,9 @@ def _disk_bandwidth(home: Path) -> tuple[float, float]:
     block = os.urandom(4 * 2**20)
     try:
         t0 = time.perf_counter()
-        with open(path, "wb") as f:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)         # the daemon's, whatever the umask (random bytes, but still)
+        with open(fd, "wb") as f:
             for _ in range(CALIBRATION_BYTES // len(block)):
                 f.write(block)
             f.flush()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from gpuswap.fsutil import atomic_write_json
+from gpuswap.fsutil import atomic_write_json, make_dir
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
 MIN_BINDINGS = (13, 0, 3)
@@ -167,7 +167,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
 
     def __init__(self, state_dir: Path):
         self.dir = state_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.dir, 0o700)
         self.capability = Capability(True, "SIMULATED checkpoint driver (no GPU; no memory is moved)",
                                      migration=True, simulated=True, criu=criu_verdict())
 

@@ -18,6 +18,7 @@ from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.controller import Controller, ControllerConfig
 from gpuswap.node.cuda_ckpt import CheckpointDriver
 from gpuswap.node.gpus import GpuInventory, NvmlGpus, SimulatedGpus, detect
+from gpuswap.node.homedir import HomeError, prepare, tighten_jobs
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.store import Store
 from gpuswap.policy.model import PolicyConfig
@@ -83,7 +84,8 @@ def default_ram_budget() -> int:
 
 
 def _take_instance_lock(home: Path) -> int:
-    fd = os.open(home / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(home / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -93,6 +95,15 @@ def _take_instance_lock(home: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _owner(store: Store, job_id: int) -> Optional[tuple[int, int]]:
+    """(uid, gid) of a job, or None for a directory with no (valid) record."""
+    try:
+        job = store.get(job_id)
+    except (OverflowError, sqlite3.Error):
+        return None
+    return (job.uid, job.gid) if job else None
 
 
 def checkpoint_driver(home: Path, gpus: GpuInventory) -> CheckpointDriver:
@@ -122,9 +133,10 @@ def serve(opts: ServerOptions) -> None:
     check_options(opts)
     home = opts.home
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        (home / "jobs").mkdir(exist_ok=True)
+        prepare(home)                    # private whatever the umask; an old loose home tightened
         lock_fd = _take_instance_lock(home)
+    except HomeError as e:
+        raise DaemonError(str(e)) from None
     except OSError as e:
         raise DaemonError(f"cannot use {home} as the state directory (GPUSWAP_HOME): "
                           f"{e.strerror or e}") from None
@@ -140,6 +152,10 @@ def serve(opts: ServerOptions) -> None:
         store = Store(home / "state.db")
     except sqlite3.Error as e:
         raise DaemonError(f"cannot open the database {home / 'state.db'}: {e}") from None
+    try:
+        tighten_jobs(home, lambda job_id: _owner(store, job_id))
+    except OSError as e:
+        raise DaemonError(f"cannot make the job files in {home / 'jobs'} private: {e}") from None
     launcher = Launcher(home, simulated=gpus.simulated)
     driver = checkpoint_driver(home, gpus)
     bandwidths = Bandwidths(store)   # what earlier runs learned from real moves, reloaded

@@ -10,13 +10,19 @@ daemon killed between writing `spec.json` and spawning leaves no marker, and the
 spawns it then. One killed after spawning but before the marker spawns a second supervisor; the
 supervisor takes the lock and starts nothing when the generation has already run
 (`supervisor.py`), so a job never runs twice.
+
+Who may see what (docs/architecture.md, "Identity and permissions"): every directory here is the
+daemon's and mode 0711 (others may pass through, never list); every file is 0600. The job's owner
+gets exactly three things: `output.log` and `ckpt/` (theirs, 0600 and 0700: a checkpoint is safe
+whatever the job's umask), and the control socket `run-GEN/control` (theirs, 0600; made by the
+supervisor). Modes are set explicitly, whatever the daemon's umask.
 """
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import time
@@ -24,13 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuswap.fsutil import atomic_write_json, read_json
+from gpuswap.fsutil import atomic_write_json, make_dir, make_file, read_json
 from gpuswap.node import messages
 from gpuswap.runtime import channel
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
 SPAWN_GRACE_S = 30.0
+
+DIR_MODE = 0o711        # the daemon's directories: others may traverse (to reach their own files)
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,6 @@ class Launcher:
         self.home = home
         self.simulated = simulated
         self._children: list[subprocess.Popen] = []
-        self._tag = hashlib.sha1(str(home.resolve()).encode()).hexdigest()[:12]
 
     def job_dir(self, job_id: int) -> Path:
         return self.home / "jobs" / str(job_id)
@@ -78,7 +85,8 @@ class Launcher:
         return self.job_dir(job_id) / "ckpt"
 
     def control_address(self, job_id: int, generation: int) -> str:
-        return f"@gpuswap/{self._tag}/{job_id}/{generation}"
+        """A path in a directory only the daemon can create entries in: nobody can claim it."""
+        return str(self.run_dir(job_id, generation) / "control")
 
     def launch(self, job: Any, env: dict[str, str], generation: int, gpu_env: str,
                desired: dict[str, Any]) -> None:
@@ -86,13 +94,13 @@ class Launcher:
         run = self.run_dir(job.id, generation)
         if self.spawned(job.id, generation):
             return
-        run.mkdir(parents=True, exist_ok=True)
+        owner = (job.uid, job.gid) if os.geteuid() == 0 else (-1, -1)
+        make_dir(self.job_dir(job.id), DIR_MODE)
+        make_dir(run, DIR_MODE)
         ckpt = self.ckpt_dir(job.id)
-        ckpt.mkdir(parents=True, exist_ok=True)
+        make_dir(ckpt, 0o700, *owner)
         log = self.log_path(job.id)
-        log.touch(exist_ok=True)
-        if os.geteuid() == 0 and job.uid != 0:
-            os.chown(ckpt, job.uid, job.gid)
+        make_file(log, 0o600, *owner)
         extra_env = {
             "CUDA_VISIBLE_DEVICES": gpu_env,
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -112,6 +120,7 @@ class Launcher:
             "groups": groups, "log_path": str(log),
             "control": self.control_address(job.id, generation),
         })
+        make_file(run / "supervisor.err", 0o600)
         with open(run / "supervisor.err", "ab") as err:
             child = subprocess.Popen(
                 [sys.executable, "-m", "gpuswap.node.supervisor", str(run)],
@@ -141,6 +150,38 @@ class Launcher:
     def reap(self) -> None:
         """Collect exited supervisors we spawned, so none lingers as a zombie."""
         self._children = [p for p in self._children if p.poll() is None]
+
+
+CWD_CHECK_TIMEOUT_S = 10.0
+ENV = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"   # coreutils: `env -C DIR CMD`
+
+
+def cwd_problem(cwd: str, uid: int, gid: int) -> Optional[str]:
+    """Why the user `uid` cannot enter `cwd` (None: they can). The kernel decides, as the user: a
+    short `env -C CWD true` run under their uid, gid and groups; never our own reading of modes.
+    The job still enters it only as the user (execshim.py): this check is for a clear refusal."""
+    if not os.path.isabs(cwd):
+        return f"working directory {cwd!r} is not an absolute path"
+    try:
+        if os.geteuid() != 0 or uid == os.geteuid():     # the caller is who we are: ask access(2)
+            if not os.path.isdir(cwd):
+                return f"working directory {cwd!r} does not exist or is not a directory"
+            if not os.access(cwd, os.X_OK):
+                return f"working directory {cwd!r} cannot be entered: Permission denied"
+            return None
+        res = subprocess.run(
+            [ENV, "-C", cwd, "true"], user=uid, group=gid, extra_groups=_supplementary_groups(uid, gid),
+            env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}, cwd="/", stdin=subprocess.DEVNULL,
+            capture_output=True, timeout=CWD_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"working directory {cwd!r} did not answer within {CWD_CHECK_TIMEOUT_S:g} s"
+    except (OSError, ValueError, subprocess.SubprocessError) as e:   # NUL bytes, unknown uid, ...
+        return f"working directory {cwd!r} cannot be checked: {getattr(e, 'strerror', None) or e}"
+    if res.returncode == 0:
+        return None
+    lines = res.stderr.decode(errors="replace").strip().splitlines()
+    why = lines[-1].rsplit(": ", 1)[-1] if lines else f"exit code {res.returncode}"
+    return f"working directory {cwd!r} cannot be entered by uid {uid}: {why}"
 
 
 def _supplementary_groups(uid: int, gid: int) -> list[int]:

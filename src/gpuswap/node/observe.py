@@ -5,6 +5,7 @@ exited, ...) or by a timeout the daemon owns, and is recorded with an event and 
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import signal as signals
 from typing import Any
@@ -12,8 +13,11 @@ from typing import Any
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.freezer import Freezer
+from gpuswap.node import sessions
 from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
 from gpuswap.node.store import JobRecord, Store
+
+log = logging.getLogger("gpuswap.observe")
 
 # A job that has run this long without its runtime saying hello is taken to have none.
 ATTACH_GRACE_S = 30.0
@@ -24,6 +28,7 @@ class Observer:
                  pause_timeout_s: float, no_runtime: str):
         self.store, self.launcher, self.freezer, self.bandwidths = store, launcher, freezer, bandwidths
         self.pause_timeout_s, self.no_runtime = pause_timeout_s, no_runtime
+        self._killing: set[int] = set()     # jobs whose orphaned processes are being killed
 
     def observe(self, job: JobRecord, now: float) -> None:
         if job.state == JobState.PENDING or (job.state == JobState.PAUSED and job.parked == "disk"):
@@ -43,8 +48,7 @@ class Observer:
                 return          # start recorded but not spawned yet; the controller spawns it
             if obs.status is None and now - obs.spawned_at < SPAWN_GRACE_S:
                 return          # supervisor still starting
-            self._end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0,
-                      event="its supervisor died without recording an exit status")
+            self._supervisor_died(job, obs, now)
             return
         rt = obs.runtime
         self._track_usage(job, rt, now)
@@ -133,10 +137,31 @@ class Observer:
                               event="restarted from its disk checkpoint"
                                     + (f" at step {step}" if step is not None else "") + read)
 
+    def _supervisor_died(self, job: JobRecord, obs: Observation, now: float) -> None:
+        """Nobody will reap or control the job's processes any more: kill its whole session, and
+        end the job (freeing its GPUs and RAM) only once none of its processes is left."""
+        status = obs.status or {}
+        pid = status.get("job_pid")
+        if isinstance(pid, int) and pid > 1:
+            if sessions.kill(pid, status.get("job_start_ticks")):
+                if job.id not in self._killing:
+                    self._killing.add(job.id)
+                    log.warning("job %d: its supervisor died; killing the processes of its session %d",
+                                job.id, pid)
+                return      # confirmed gone at a later tick, before anything else gets its GPUs
+            why = "its supervisor died without recording an exit status; its processes were killed"
+        else:
+            why = "its supervisor died before starting the job"
+        self._killing.discard(job.id)
+        self._end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, event=why)
+
     def _end(self, job: JobRecord, now: float, **changes: Any) -> None:
-        """Record a terminal state, then drop the job's checkpoints: nothing will resume them."""
+        """Record a terminal state. A completed or cancelled job's checkpoints are dropped (nothing
+        will resume them and nobody asked to keep them); a failed job's stay in jobs/ID/ckpt, its
+        owner's to recover (docs/runtime.md)."""
         self.store.update(job.id, now, end_time=now, **changes)
-        shutil.rmtree(self.launcher.ckpt_dir(job.id), ignore_errors=True)
+        if changes.get("state") in (JobState.COMPLETED, JobState.CANCELLED):
+            shutil.rmtree(self.launcher.ckpt_dir(job.id), ignore_errors=True)
 
     def _finished(self, job: JobRecord, obs: Observation, now: float) -> None:
         ex, rt = obs.exit or {}, obs.runtime

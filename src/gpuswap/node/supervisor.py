@@ -11,10 +11,17 @@ Run directory (made by the daemon before spawning us):
   status.json   what is (written by us, atomically, on every change)
   lock          flock held for our whole life: the daemon's liveness check, immune to PID reuse
   spawned.json  written by the daemon once we exist (launcher.py: a lost spawn is redone)
+  control       the job's control socket (ours to bind; the job owner's file, mode 0600)
+
+The job starts through `execshim.py`, which drops to the user *before* entering the job's
+directory, and arms a parent-death signal: if we die, the job's main process is killed with us
+(the daemon then kills the rest of its session: `sessions.py`). Its pid, the session id, is in
+status.json before the user's program runs, so the daemon can always find what to kill.
 """
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -26,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuswap.fsutil import atomic_write_json, read_json
-from gpuswap.node import messages
+from gpuswap.fsutil import atomic_write_json, make_file, read_json
+from gpuswap.node import execshim, messages, sessions
 from gpuswap.runtime import channel
 
 CANCEL_GRACE_S = 10.0
@@ -82,43 +89,78 @@ class Supervisor:
             return True
 
     def log(self, text: str) -> None:
+        path = self.run_dir / "supervisor.log"
         try:
-            with open(self.run_dir / "supervisor.log", "a") as f:
+            if not path.exists():
+                make_file(path, 0o600)
+            with open(path, "a") as f:
                 f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
         except OSError:
             pass    # a full disk must not take the job's supervisor down with it
 
     # -- the job process --------------------------------------------------------------------
     def start_child(self) -> bool:
+        """Start the job through the exec shim; False (and the reason in status.json) if it could
+        not start. Called from the main thread: the parent-death signal follows the forking thread."""
         spec = self.spec
         env = dict(spec["env"])
         env.update(spec["extra_env"])
-        kwargs: dict[str, Any] = {}
-        if os.geteuid() == 0 and spec["uid"] != 0:
-            kwargs.update(user=spec["uid"], group=spec["gid"], extra_groups=spec.get("groups") or [])
+        as_user = os.geteuid() == 0 and spec["uid"] != 0
+        config = {"argv": spec["argv"], "cwd": spec["cwd"], "env": env,
+                  "uid": spec["uid"] if as_user else None, "gid": spec["gid"],
+                  "groups": spec.get("groups") or []}
+        cfg_r, cfg_w = os.pipe()
+        st_r, st_w = os.pipe()
         log = open(spec["log_path"], "ab", buffering=0)
         try:
             self.child = subprocess.Popen(
-                spec["argv"], cwd=spec["cwd"], env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs,
+                [sys.executable, "-I", "-S", execshim.__file__, str(cfg_r), str(st_w), str(os.getpid())],
+                pass_fds=(cfg_r, st_w), env={}, cwd="/", stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        except (OSError, ValueError, subprocess.SubprocessError) as e:
-            why = getattr(e, "strerror", None) or str(e)
-            if isinstance(e, OSError) and e.filename == spec["cwd"]:   # chdir failed, not the exec
-                reason = f"cannot start {spec['argv'][0]!r}: its working directory {spec['cwd']!r}: {why}"
-            else:
-                reason = f"cannot start {spec['argv'][0]!r}: {why}"
-            log.write(f"[gpuswap] {reason}\n".encode())
-            with self.lock:
-                self.status["exit"] = {"code": None, "signal": None, "error": reason, "time": time.time()}
-            self.write_status()
-            return False
+        except (OSError, subprocess.SubprocessError) as e:
+            for fd in (cfg_w, st_r):
+                os.close(fd)
+            return self._not_started(f"cannot start {spec['argv'][0]!r}: {getattr(e, 'strerror', None) or e}")
         finally:
             log.close()
+            os.close(cfg_r)
+            os.close(st_w)
+        # Its pid is durable before the user's program can run (the shim waits for the config).
         with self.lock:
             self.status["job_pid"] = self.child.pid
+            self.status["job_start_ticks"] = sessions.start_ticks(self.child.pid)
         self.write_status()
-        return True
+        try:
+            with open(cfg_w, "wb") as w:
+                w.write(json.dumps(config).encode())
+        except BrokenPipeError:
+            pass
+        with open(st_r, "rb") as r:
+            failure = r.read()
+        if not failure:
+            return True
+        self.child.wait()
+        try:
+            err = json.loads(failure)
+        except ValueError:
+            err = {"stage": "exec", "message": failure.decode(errors="replace")}
+        why = err.get("message") or "unknown error"
+        if err.get("stage") == "chdir":   # the directory failed, not the program
+            reason = f"cannot start {spec['argv'][0]!r}: its working directory {spec['cwd']!r}: {why}"
+        elif err.get("stage") == "credentials":
+            reason = f"cannot start {spec['argv'][0]!r}: cannot become uid {spec['uid']}: {why}"
+        else:
+            reason = f"cannot start {spec['argv'][0]!r}: {why}"
+        return self._not_started(reason)
+
+    def _not_started(self, reason: str) -> bool:
+        with open(self.spec["log_path"], "ab") as out:
+            out.write(f"[gpuswap] {reason}\n".encode())
+        with self.lock:
+            self.status["exit"] = {"code": None, "signal": None, "error": reason, "time": time.time()}
+        self.write_status()
+        return False
 
     def signal_group(self, sig: int) -> None:
         if self.child is None:
@@ -130,8 +172,20 @@ class Supervisor:
 
     # -- control socket ---------------------------------------------------------------------
     def serve(self) -> None:
+        """Bind the control socket: a path in our run directory (only the daemon can make entries
+        there), then make it the job owner's, mode 0600; peers are checked by uid as well."""
+        address = self.spec["control"]
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(channel.socket_address(self.spec["control"]))
+        if not address.startswith("@"):
+            try:
+                os.unlink(address)        # a previous supervisor's, of this generation: we hold the lock
+            except FileNotFoundError:
+                pass
+        channel.bind(srv, address)
+        if not address.startswith("@"):
+            owner = (self.spec["uid"], self.spec["gid"]) if os.geteuid() == 0 else (-1, -1)
+            os.chown(address, *owner)
+            os.chmod(address, 0o600)
         srv.listen(4)
         threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
 
@@ -300,17 +354,18 @@ class Supervisor:
         if not self.start_child():
             return 0
         assert self.child is not None
-        while True:
-            try:
-                rc = self.child.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        pid = self.child.pid
+        # Wait without reaping: while the exited main process is a zombie its pid (the session id)
+        # cannot be reused, so the leftovers of its session are killed by an id that is still theirs.
+        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            time.sleep(POLL_S)
             self.read_desired()
             self.reconcile()
             if self._unsaved:
                 self.write_status()
-        self.signal_group(signal.SIGKILL)   # leftovers of the job's session die with it
+        while sessions.kill(pid, self.status.get("job_start_ticks")):
+            time.sleep(POLL_S)     # until none is left: its GPUs are free only then
+        rc = self.child.wait()
         sig = -rc if rc < 0 else None
         with self.lock:
             self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": None,

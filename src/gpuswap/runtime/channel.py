@@ -1,6 +1,9 @@
 """The control channel between a job's runtime and its supervisor.
 
 A Unix stream socket (path in ``$GPUSWAP_CONTROL``) carrying one JSON object per line. The
+socket is a file in the job's run directory, a directory only the daemon can create entries in,
+and the file is the job owner's with mode 0600: no other user can claim its name or connect to it
+(the supervisor also checks the peer's uid, SO_PEERCRED). The
 supervisor is the server: it outlives daemon restarts, so a job parked in RAM never notices the
 daemon going away. Messages are small and infrequent; the hot path (`safepoint`) never touches
 the socket, it only reads a flag that the runtime's reader thread sets.
@@ -24,6 +27,7 @@ supervisor -> runtime
 from __future__ import annotations
 
 import json
+import os
 import socket
 from typing import Any, Iterator, Optional
 
@@ -39,10 +43,36 @@ MAX_LINE = 1 << 20
 def socket_address(value: str) -> str:
     """`$GPUSWAP_CONTROL` value -> address for socket.connect/bind.
 
-    A leading '@' names a Linux abstract socket (no 108-byte path limit, nothing left on disk);
-    the supervisor authorizes peers by SO_PEERCRED, so the namespace being global is harmless.
+    A leading '@' names a Linux abstract socket (used by test peers only): abstract names are
+    global, so anyone could claim one first; the daemon gives every job a path instead.
     """
     return "\0" + value[1:] if value.startswith("@") else value
+
+
+# sun_path holds 107 bytes and a NUL; a longer path is reached through an fd of its directory.
+_SUN_PATH_MAX = 107
+
+
+def connect(sock: socket.socket, address: str) -> None:
+    """`sock.connect` to a control address: a path of any length, or an '@' abstract name."""
+    _through_dir(sock.connect, address)
+
+
+def bind(sock: socket.socket, address: str) -> None:
+    _through_dir(sock.bind, address)
+
+
+def _through_dir(op: Any, address: str) -> None:
+    target = socket_address(address)
+    if target.startswith("\0") or len(os.fsencode(target)) <= _SUN_PATH_MAX:
+        op(target)
+        return
+    parent, name = os.path.split(target)
+    fd = os.open(parent or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        op(f"/proc/self/fd/{fd}/{name}")   # the kernel resolves the directory from the fd
+    finally:
+        os.close(fd)
 
 
 def encode(msg: dict[str, Any]) -> bytes:

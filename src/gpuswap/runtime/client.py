@@ -32,7 +32,7 @@ class ControlClient:
         hello: Callable[[], dict[str, Any]],
         usage: Callable[[], dict[str, Any]],
     ) -> None:
-        self._address = channel.socket_address(address)
+        self._address = address
         self._label = address
         self._on_message = on_message
         self._hello = hello
@@ -102,7 +102,7 @@ class ControlClient:
         try:
             sec = int(SEND_TIMEOUT_S)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, 0))
-            sock.connect(self._address)
+            channel.connect(sock, self._address)
         except OSError:
             sock.close()
             raise
