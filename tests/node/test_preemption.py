@@ -77,4 +77,6 @@ def test_policy_is_selectable_fifo_never_preempts(make_daemon, home):
     d.state(long_id, "COMPLETED", timeout=60)
     j = d.state(urgent, "COMPLETED", timeout=60)
     assert d.job(long_id)["preemptions"] == 0
-    assert j["events"][1]["time"] >= d.job(long_id)["end_time"]
+    started = [e for e in j["events"] if e["state"] == "RUNNING"][0]
+    assert started["time"] >= d.job(long_id)["end_time"]
+    assert any(e["reason"].startswith("waiting (NoPreemption): ") for e in j["events"]), j["events"]

@@ -35,7 +35,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{first['msg']}"}, 422)
 
     def record(job: JobRecord, events: Any = None, log_path: Any = None) -> dict[str, Any]:
-        return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated)
+        return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated,
+                          wait=controller.wait_of(job))
 
     def caller(request: Request) -> Caller:
         return authorizer.caller(request)
@@ -93,7 +94,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if all_users and not who.admin:
             raise HTTPException(403, "only admins can list every user's jobs")
         now = time.time()
-        return [job_record(j, now, gpus_simulated=gpus.simulated)
+        return [job_record(j, now, gpus_simulated=gpus.simulated, wait=controller.wait_of(j))
                 for j in store.list(user=None if all_users else who.user)]
 
     @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))

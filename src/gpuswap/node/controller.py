@@ -23,13 +23,14 @@ from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.observe import Observer
 from gpuswap.node.store import JobRecord, Store
-from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start
+from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
 
 log = logging.getLogger("gpuswap.controller")
 
 ACTIVE = (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING)
 WITH_PROCESS = ACTIVE + (JobState.PAUSED,)   # PAUSED in RAM or by SIGSTOP keeps its process
 MIN_GAP_S = 0.05
+HELD = Wait("", "JobHeldUser", "paused by its owner; `gpuswap resume` lets it run again")
 
 
 @dataclass
@@ -60,6 +61,10 @@ class Controller:
         self._live: dict[int, JobRecord] = {}
         self._views: dict[int, tuple[int, JobView]] = {}
         self._seen_version = 0
+        # Why each waiting job waits, from the policy's last round (replaced whole each tick, so
+        # API threads read one consistent dict), and the key of the reason last written as an event.
+        self.waits: dict[int, Wait] = {}
+        self._told: dict[int, tuple] = {}
 
     # -- loop -------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -92,16 +97,42 @@ class Controller:
         views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
         snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
                               self.config.ram_budget, self.usage)
-        for d in policy.decide(snap, self.config.policy):
+        decisions, waits = policy.decide_explained(snap, self.config.policy)
+        for d in decisions:
             job = live.get(int(d.job_id))
             if job is not None:
                 self._apply(d, job, now)
+        self._explain(live, waits, now)
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
                 self._push_desired(job)
         self.launcher.reap()
         with self.changed:
             self.changed.notify_all()
+
+    def wait_of(self, job: JobRecord) -> Optional[Wait]:
+        """Why this job waits (a PENDING or PAUSED job the last round did not start), or None."""
+        if job.state not in (JobState.PENDING, JobState.PAUSED) or job.cancel_requested:
+            return None
+        if job.hold and not job.holds_gpu:
+            return HELD
+        return self.waits.get(job.id)
+
+    def _explain(self, live: dict[int, JobRecord], waits: dict[str, Wait], now: float) -> None:
+        """Keep the policy's reasons, and write one as an event when a job's reason changes in
+        substance (its rule or who holds it, not a countdown), so the log says why it waited."""
+        kept = {int(k): w for k, w in waits.items()}
+        for jid, w in kept.items():
+            job = live.get(jid)
+            if job is None or job.state not in (JobState.PENDING, JobState.PAUSED):
+                continue
+            key = (w.code, tuple((b.job_id, b.code) for b in w.blockers))
+            if self._told.get(jid) != key:
+                self._told[jid] = key
+                self.store.add_event(jid, now, job.state, f"waiting ({w.code}): {w.text}")
+        for jid in [j for j in self._told if j not in kept]:
+            del self._told[jid]
+        self.waits = kept
 
     def _refresh(self) -> dict[int, JobRecord]:
         """The live jobs, kept current by reading only rows written since the last read."""

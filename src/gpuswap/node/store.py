@@ -329,6 +329,13 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def add_event(self, job_id: int, now: float, state: JobState, text: str) -> None:
+        """Record an event that changes nothing about the job (why it waits): its row, its `reason`
+        (the last transition's) and its version stay as they are."""
+        with self._lock:
+            self._db.execute("INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
+                             (job_id, now, state.value, text))
+
     def accrue(self, rows: list[tuple[int, float, float, float]]) -> None:
         """Add (attained_gpu_s, run_s, switch_s) deltas to many jobs in one transaction."""
         if not rows:
