@@ -153,7 +153,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                                      f"(no gpuswap runtime attached, or none within the pause timeout)")
         if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
             store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
-                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}")
+                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}",
+                         initiator="user")
         elif not job.hold:
             store.update(job_id, time.time(), hold=True, desired_tier=req.to,
                          event=f"pause to {req.to} requested by {who.user}")

@@ -184,7 +184,7 @@ class Controller:
                                   event=f"pause to {tier} refused: this job cannot be parked there "
                                         f"({self._why_not(job)})")
                 return
-            self._pause(job, tier, now, "requested by user", count=False)
+            self._pause(job, tier, now, "requested by user", by="user")
 
     def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
@@ -195,27 +195,29 @@ class Controller:
                               event=_with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason))
             self._launch(job, gen, d.gpus)
         elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.transparent_ok):
-            self._pause(job, d.tier, now, d.reason, count=True)
+            self._pause(job, d.tier, now, d.reason, by="policy")
         elif isinstance(d, Resume) and job.state == JobState.PAUSED:
             self._resume(job, d, now)
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
             self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
-                              event=_with_reason("spilling from RAM to disk", d.reason))
+                              event=_with_reason("spilling from RAM to disk", d.reason), initiator="policy")
         else:
             return
         self.store.record_decision(now, type(d).__name__.lower(), job.id, detail)
 
-    def _pause(self, job: JobRecord, tier: str, now: float, reason: str, count: bool) -> None:
+    def _pause(self, job: JobRecord, tier: str, now: float, reason: str, by: str) -> None:
+        """Start parking `job`; `by` ('policy' or 'user') is recorded on the event, and only the
+        policy's pauses count as preemptions."""
         mech = mechanism_for(job, self.transparent_ok)
         what = "freezing through the driver" if mech == "transparent" else f"pausing to {tier}"
         changes: dict = dict(state=JobState.PAUSING, mechanism=mech, desired_tier=tier, pause_requested_at=now,
                              ram_allowance=self._ram_room(job) if tier == "ram" else None)
         if mech == "cooperative":
             changes["desired"] = "paused"
-        if count:
+        if by == "policy":
             changes["preemptions"] = job.preemptions + 1
-        self.store.update(job.id, now, event=_with_reason(what, reason), **changes)
+        self.store.update(job.id, now, event=_with_reason(what, reason), initiator=by, **changes)
 
     def _ram_room(self, job: JobRecord) -> int:
         """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;
