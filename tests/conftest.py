@@ -38,8 +38,8 @@ def make_daemon(home: Path) -> Any:
 
     def make(*args: str) -> Daemon:
         # Tests' jobs live seconds, not hours: the default switch-time cap would protect them all.
-        d = Daemon(home, (list(args) or ["--simulate-gpus", "1x80GiB", "--min-runtime", "1"])
-                   + ["--max-switch-fraction", "1"])
+        args = list(args) or ["--simulate-gpus", "1x80GiB", "--min-runtime", "1"]
+        d = Daemon(home, args if "--max-switch-fraction" in args else args + ["--max-switch-fraction", "1"])
         daemons.append(d)
         return d.start()
 

@@ -80,10 +80,12 @@ class Daemon:
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.get(f"/v1/jobs/{job_id}")
 
-    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
+    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 60,
+              get: Optional[str] = None) -> dict[str, Any]:
+        """Poll job `job_id` (or the record at path `get`) until `pred` holds."""
         deadline = time.monotonic() + timeout
         while True:
-            j = self.job(job_id)
+            j = self.client.get(get) if get else self.job(job_id)
             if pred(j):
                 return j
             if time.monotonic() > deadline:

@@ -20,8 +20,12 @@ def test_urgent_preempts_low_ram_park_and_exact_resume(daemon, home, reference_h
     w = daemon.cli("wait", str(urgent))
     assert w.returncode == 0
     done = daemon.state(long_id, "COMPLETED", timeout=120)
-    states = [e["state"] for e in done["events"]]
+    states = [e["state"] for e in done["events"] if not e["reason"].startswith("waiting (")]
     assert states == ["PENDING", "RUNNING", "PAUSING", "PAUSED", "RESUMING", "RUNNING", "COMPLETED"]
+    # While parked, why it waited is in its log: the urgent job holds the GPU its state is tied to.
+    assert any(e["state"] == "PAUSED" and e["reason"].startswith(f"waiting (Priority): waiting for its own GPU 0")
+               and f"held by job {urgent} (urgent, not preemptible by a lower priority)" in e["reason"]
+               for e in done["events"]), done["events"]
     assert "preempted by job" in done["events"][2]["reason"]
     assert done["preemptions"] == 1
     assert json.loads((home / "long.json").read_text())["sha256"] == reference_hashes(steps)
@@ -77,4 +81,6 @@ def test_policy_is_selectable_fifo_never_preempts(make_daemon, home):
     d.state(long_id, "COMPLETED", timeout=60)
     j = d.state(urgent, "COMPLETED", timeout=60)
     assert d.job(long_id)["preemptions"] == 0
-    assert j["events"][1]["time"] >= d.job(long_id)["end_time"]
+    started = [e for e in j["events"] if e["state"] == "RUNNING"][0]
+    assert started["time"] >= d.job(long_id)["end_time"]
+    assert any(e["reason"].startswith("waiting (NoPreemption): ") for e in j["events"]), j["events"]

@@ -111,8 +111,10 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(root.row(urgent)).to_contain_text("urgent")
     expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text(f"job {urgent}")
     expect(p.locator("#ram-text")).to_have_text(re.compile(r"^[1-9][\d.]* \w+ parked of a .* budget"))
-    reason = root.row(long_id).locator(".reason .code")
-    expect(reason).to_have_text("Resources")
+    # The policy's own reason, as `ls` and `top` show it: the urgent job holds the GPU it parked on.
+    expect(root.row(long_id).locator(".reason .code")).to_have_text("Priority")
+    expect(root.row(long_id).locator(".reason")).to_contain_text(
+        f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)")
     root.shot("urgent-preempted-long")
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.

@@ -9,6 +9,8 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpuswap.jobs import JobState
 from webtools import Web, start_web, web  # noqa: F401  (fixture)
 
 
@@ -44,10 +46,16 @@ def test_metrics_reflect_preemption_and_survive_restart(preempted):
         assert anon.get("/metrics").status_code == 401
     m = scrape(web, token)
     assert m[("gpuswap_jobs", (("priority", "low"), ("state", "PAUSED")))] == 1
-    assert m[("gpuswap_gpu_assigned_job", (("gpu", "0"), ("job_id", str(urgent)), ("state", "RUNNING")))] == 1
+    # Per GPU, a bounded set of series: which state it is in (job ids belong to the logs, not labels).
+    assert {k: v for k, v in m.items() if k[0] == "gpuswap_gpu_state"} == {
+        ("gpuswap_gpu_state", (("gpu", "0"), ("state", s))): float(s == "running")
+        for s in ("free", "running", "resuming", "pausing", "stopped")}
+    assert m[("gpuswap_gpu_jobs", (("gpu", "0"),))] == 1
+    assert not [k for k in m if any(label == "job_id" for label, _ in k[1])]
     assert m[("gpuswap_gpu_memory_total_bytes", (("gpu", "0"), ("simulated", "true")))] == 80 * 2**30
-    key = ("gpuswap_preemptions_total", (("initiator", "policy"), ("mechanism", "cooperative"), ("tier", "ram")))
+    key = ("gpuswap_preemptions_total", (("mechanism", "cooperative"), ("tier", "ram")))
     assert m[key] == 1
+    assert not [k for k in m if k[0] == "gpuswap_user_pauses_total"]
     assert m[("gpuswap_park_duration_seconds_count", (("tier", "ram"),))] == 1
     assert m[("gpuswap_parked_bytes", (("tier", "ram"),))] > 0
     assert m[("gpuswap_ram_budget_bytes", ())] > 0
@@ -78,9 +86,11 @@ def test_metrics_count_a_spill_to_disk_and_the_disk_restart(make_daemon, home):
     assert d.cli("pause", "--to", "disk", str(job)).returncode == 0
     d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
     m = scrape(web, token)
-    ram_key = ("gpuswap_preemptions_total", (("initiator", "user"), ("mechanism", "cooperative"), ("tier", "ram")))
+    # The owner's pause is no preemption: counted apart, and preemptions_total stays empty.
+    ram_key = ("gpuswap_user_pauses_total", (("mechanism", "cooperative"), ("tier", "ram")))
     assert m[ram_key] == 1
-    assert not [k for k in m if k[0] == "gpuswap_preemptions_total" and ("tier", "disk") in k[1]]
+    assert not [k for k in m if k[0] == "gpuswap_preemptions_total"]
+    assert not [k for k in m if k[0] == "gpuswap_user_pauses_total" and ("tier", "disk") in k[1]]
     assert m[("gpuswap_spills_total", (("initiator", "user"),))] == 1
     assert m[("gpuswap_spills_total", (("initiator", "policy"),))] == 0
     assert m[("gpuswap_park_duration_seconds_count", (("tier", "ram"),))] == 1
@@ -107,7 +117,8 @@ def test_overview_and_top_once_show_the_parked_job(preempted):
         o = c.get("/v1/overview").json()
     j = next(j for j in o["jobs"] if j["id"] == long_id)
     assert j["state"] == "PAUSED" and j["tier"] == "ram" and j["parked_bytes"] > 0
-    assert j["pending_reason"] in ("Resources", "Priority")
+    assert j["pending_reason"] == "Priority", j     # the policy's own reason: the urgent job holds its GPU
+    assert f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)" in j["pending_reason_text"]
     assert o["gpus"][0]["jobs"] == [urgent] and o["ram"]["parked"] == j["parked_bytes"]
     assert o["fair_share"][0]["user"] == "root"
     out = web.daemon.cli("top", "--once")
@@ -232,3 +243,33 @@ def test_dcgm_job_mapping_files_follow_the_jobs(make_daemon, tmp_path):
     _file_becomes(mapdir / str(1 - gpu), "")
     web.daemon.cli("cancel", str(job))
     _file_becomes(mapdir / str(gpu), "")
+
+
+def test_a_home_from_before_the_initiator_column_is_migrated_and_folded(tmp_path):
+    """An events table without `initiator` (a home made by an older daemon) gains the column on
+    open; its old rows are folded by their wording (a user pause is not a preemption), new rows
+    by the recorded initiator."""
+    import sqlite3
+
+    from gpuswap.api.metrics import EventFold
+    from gpuswap.node.store import NewJob, Store
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, job_id INTEGER NOT NULL, "
+               "time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL)")
+    db.executemany("INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)", [
+        (99, 0, "PENDING", "submitted"), (99, 1, "RUNNING", "started on GPU 0"),
+        (99, 2, "PAUSING", "pausing to ram: requested by user"), (99, 3, "PAUSED", "parked in RAM at step 5")])
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "state.db")
+    [job] = store.add_jobs([NewJob(name="j", user="u", uid=0, gid=0, argv=["x"], cwd="/", env={}, priority=1,
+                                   gpus=1, mem_bytes=0)], 4)
+    store.update(job, 5, state=JobState.RUNNING, event="started on GPU 1")
+    # The wording says "requested by user", the record says policy: the record is what counts.
+    store.update(job, 6, state=JobState.PAUSING, event="pausing to ram: requested by user", initiator="policy")
+    store.update(job, 7, state=JobState.PAUSED, event="parked in RAM at step 9")
+    fold = EventFold()
+    fold.advance(store)
+    assert fold.user_pauses == {("cooperative", "ram"): 1}
+    assert fold.preemptions == {("cooperative", "ram"): 1}

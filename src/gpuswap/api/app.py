@@ -40,7 +40,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     schema.install(app)           # the OpenAPI schema says what is really answered; 405s carry Allow
 
     def record(job: JobRecord, events: Any = None, log_path: Any = None) -> dict[str, Any]:
-        return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated)
+        return job_record(job, time.time(), events, log_path, gpus_simulated=gpus.simulated,
+                          wait=controller.wait_of(job))
 
     def caller(request: Request) -> Caller:
         return authorizer.caller(request)
@@ -110,7 +111,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         jobs, more = store.page(user, limit, before=before, after=after, max_bytes=PAGE_ARGV_BYTES)
         response.headers.update(page_headers(more, jobs, after, store.count(user)))
         now = time.time()
-        return [job_record(j, now, gpus_simulated=gpus.simulated) for j in jobs]
+        return [job_record(j, now, gpus_simulated=gpus.simulated, wait=controller.wait_of(j)) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))
     def show(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
@@ -168,7 +169,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                                      f"(no gpuswap runtime attached, or none within the pause timeout)")
         if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
             store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
-                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}")
+                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}",
+                         initiator="user")
         elif not job.hold:
             store.update(job_id, time.time(), hold=True, desired_tier=req.to,
                          event=f"pause to {req.to} requested by {who.user}")

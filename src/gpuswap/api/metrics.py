@@ -73,12 +73,13 @@ def _park_kind(reason: str) -> tuple[str, str]:
     return "other", "none"
 
 
-def _spill_request(reason: str) -> Optional[str]:
-    """The initiator of a RAM->disk spill request event (app.py: user; controller: policy), else None."""
+def _spill_request(reason: str, initiator: Optional[str]) -> Optional[str]:
+    """The initiator of a RAM->disk spill request event, else None: recorded on the event (app.py:
+    user; controller: policy); for events written before it was, told from their fixed wording."""
     if reason.startswith("spill to disk requested"):
-        return "user"
+        return initiator or "user"
     if reason.startswith("spilling from RAM to disk"):
-        return "policy"
+        return initiator or "policy"
     return None
 
 
@@ -88,7 +89,8 @@ class EventFold:
     def __init__(self) -> None:
         self.last_id = 0
         self.jobs: dict[int, _JobTrack] = {}
-        self.preemptions: dict[tuple[str, str, str], int] = {}
+        self.preemptions: dict[tuple[str, str], int] = {}      # policy pauses only
+        self.user_pauses: dict[tuple[str, str], int] = {}
         self.spills: dict[str, int] = {}
         self.park = {t: _Hist(SWITCH_BUCKETS) for t in ("ram", "disk")}
         self.resume = {t: _Hist(SWITCH_BUCKETS) for t in ("ram", "disk")}
@@ -105,7 +107,8 @@ class EventFold:
                 if len(rows) < 10000:
                     return
 
-    def _apply(self, event_id: int, job_id: int, t: float, state: str, reason: str) -> None:
+    def _apply(self, event_id: int, job_id: int, t: float, state: str, reason: str,
+               initiator: Optional[str] = None) -> None:
         self.last_id = event_id
         tr = self.jobs.get(job_id)
         if tr is None:
@@ -113,15 +116,15 @@ class EventFold:
             return
         if state == tr.state:
             if state == "PAUSED":
-                self._parked_event(tr, t, reason)
+                self._parked_event(tr, t, reason, initiator)
             return
         prev, since = tr.state, tr.since
-        if state == "PAUSING":
-            tr.pause_by = "user" if "requested by user" in reason else "policy"
+        if state == "PAUSING":   # who asked: on the event; an event from before it was: its wording
+            tr.pause_by = initiator or ("user" if "requested by user" in reason else "policy")
         elif state == "PAUSED" and prev == "PAUSING":
             mechanism, tier = _park_kind(reason)
-            key = (mechanism, tier, tr.pause_by)
-            self.preemptions[key] = self.preemptions.get(key, 0) + 1
+            counts = self.preemptions if tr.pause_by == "policy" else self.user_pauses
+            counts[(mechanism, tier)] = counts.get((mechanism, tier), 0) + 1
             if tier in self.park:
                 self.park[tier].observe(t - since)
             tr.tier = tier
@@ -136,20 +139,33 @@ class EventFold:
             self.finished[state] = self.finished.get(state, 0) + 1
             del self.jobs[job_id]
 
-    def _parked_event(self, tr: _JobTrack, t: float, reason: str) -> None:
+    def _parked_event(self, tr: _JobTrack, t: float, reason: str, initiator: Optional[str]) -> None:
         """An event that leaves a parked job PAUSED: a spill from RAM to disk is a tier change.
 
         It is not a new preemption (the job was already off its GPU), so it is counted in
         `spills` rather than `preemptions`; its request-to-parked time goes to the disk park
         histogram, like a direct park to disk, and the job's tier becomes disk so that its
         restart is counted as a disk resume."""
-        by = _spill_request(reason)
+        by = _spill_request(reason, initiator)
         if by is not None:
             tr.spill_asked, tr.spill_by = t, by
         elif reason.startswith("parked to disk") and tr.tier != "disk":
             self.spills[tr.spill_by] = self.spills.get(tr.spill_by, 0) + 1
             self.park["disk"].observe(t - (tr.spill_asked if tr.spill_asked is not None else tr.since))
             tr.tier, tr.spill_asked = "disk", None
+
+
+GPU_STATES = ("free", "running", "resuming", "pausing", "stopped")
+
+
+def gpu_state(holders: list) -> str:
+    """What a GPU is doing, from the jobs assigned to it: computing wins over a transition, which
+    wins over a stopped job's memory left on it (SIGSTOP fallback)."""
+    states = {j.state for j in holders if j.holds_gpu}
+    for s, name in ((JobState.RUNNING, "running"), (JobState.RESUMING, "resuming"), (JobState.PAUSING, "pausing")):
+        if s in states:
+            return name
+    return "stopped" if states else "free"
 
 
 class GpuswapCollector(Collector):
@@ -171,16 +187,20 @@ class GpuswapCollector(Collector):
         total = GaugeMetricFamily("gpuswap_gpu_memory_total_bytes", "GPU memory", labels=["gpu", "simulated"])
         used = GaugeMetricFamily("gpuswap_gpu_memory_used_bytes",
                                  "GPU memory in use (simulated GPUs: as the jobs report it)", labels=["gpu", "simulated"])
-        job = GaugeMetricFamily("gpuswap_gpu_assigned_job", "1 for each job holding the GPU",
-                                labels=["gpu", "job_id", "state"])
+        state = GaugeMetricFamily("gpuswap_gpu_state", "1 for the state the GPU is in, 0 for the others "
+                                  "(bounded: GPUs x states; job ids are in /v1/gpus and the event log)",
+                                  labels=["gpu", "state"])
+        jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu"])
         for g in self.gpus.list():
             holders = [j for j in live if g.index in j.assigned]
             lab = [str(g.index), str(g.simulated).lower()]
             total.add_metric(lab, g.mem_total)
             used.add_metric(lab, gpu_used(g.mem_used, holders))
-            for j in holders:
-                job.add_metric([str(g.index), str(j.id), j.state.value], 1)
-        yield from (total, used, job)
+            now = gpu_state(holders)
+            for s in GPU_STATES:
+                state.add_metric([str(g.index), s], 1 if s == now else 0)
+            jobs.add_metric([str(g.index)], sum(1 for j in holders if j.holds_gpu))
+        yield from (total, used, state, jobs)
 
     def _jobs(self, live: list) -> Iterator[object]:
         by = GaugeMetricFamily("gpuswap_jobs", "live jobs by state and priority", labels=["state", "priority"])
@@ -208,11 +228,13 @@ class GpuswapCollector(Collector):
     def _fold(self) -> Iterator[object]:
         f = self.fold
         with f._lock:
-            pre = CounterMetricFamily("gpuswap_preemptions", "jobs parked, by mechanism, tier and initiator",
-                                      labels=["mechanism", "tier", "initiator"])
-            for (m, t, by), n in sorted(f.preemptions.items()):
-                pre.add_metric([m, t, by], n)
-            yield pre
+            for name, counts, doc in (
+                    ("gpuswap_preemptions", f.preemptions, "jobs the policy paused for others, by mechanism and tier"),
+                    ("gpuswap_user_pauses", f.user_pauses, "jobs paused by their owner, by mechanism and tier")):
+                c = CounterMetricFamily(name, doc, labels=["mechanism", "tier"])
+                for (m, t), n in sorted(counts.items()):
+                    c.add_metric([m, t], n)
+                yield c
             spills = CounterMetricFamily("gpuswap_spills", "parked jobs moved from RAM to disk, by initiator",
                                          labels=["initiator"])
             for by in ("policy", "user"):

@@ -10,16 +10,17 @@ import time
 from typing import Any
 
 from gpuswap.api.auth import Caller
-from gpuswap.api.reasons import REASONS, pending_reason
+from gpuswap.api.views import wait_fields
 from gpuswap.jobs import JobState, Priority
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.store import JobRecord, Store
+from gpuswap.policy.model import Wait
 
 RECENT_FINISHED = 20
 
 
-def job_summary(j: JobRecord, who: Caller, now: float, reason_code: str | None) -> dict[str, Any]:
+def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dict[str, Any]:
     mine = who.may_act_on(j.uid)
     return {
         "id": j.id, "name": j.name if mine else "", "user": j.user, "mine": mine,
@@ -31,7 +32,7 @@ def job_summary(j: JobRecord, who: Caller, now: float, reason_code: str | None) 
         "preemptions": j.preemptions, "time_in_state_s": max(0.0, now - j.state_since),
         "submit_time": j.submit_time, "exit_code": j.exit_code,
         "reason": j.reason if mine else "",
-        "pending_reason": reason_code, "pending_reason_text": REASONS.get(reason_code or "", ""),
+        **wait_fields(wait),
     }
 
 
@@ -56,7 +57,7 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
         "mem_used": gpu_used(g.mem_used, holders.get(g.index, [])),
         "jobs": [j.id for j in holders.get(g.index, [])],
     } for g in devices]
-    jobs = [job_summary(j, who, now, pending_reason(j, live, len(devices))) for j in live]
+    jobs = [job_summary(j, who, now, controller.wait_of(j)) for j in live]
     finished = store.recent_finished(None if who.admin else who.user, RECENT_FINISHED)
     jobs += [job_summary(j, who, now, None) for j in finished]
     tiers = {"ram": 0, "disk": 0}
@@ -80,5 +81,4 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
         "ram": {"budget": controller.config.ram_budget, "parked": tiers["ram"]},
         "parked_bytes": tiers, "fair_share": fair,
         "fair_share_half_life_s": controller.config.policy_config.fair_share_half_life_s,
-        "reasons": REASONS,
     }

@@ -9,6 +9,7 @@ from gpuswap.api.limits import check_command
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.store import Event, JobRecord
+from gpuswap.policy.model import Wait
 
 
 class SubmitRequest(BaseModel):
@@ -69,10 +70,23 @@ def errors(**codes: str) -> dict[int | str, dict[str, Any]]:
 NO_JOB = "no such job, or another user's (its existence is not the caller's to know)"
 
 
+def wait_fields(wait: Optional[Wait]) -> dict[str, Any]:
+    """Why a job waits, as the policy's last round said (None for a job that is not waiting):
+    `pending_reason` (the rule's code), `pending_reason_text` (a sentence with its numbers) and
+    `pending_blockers` (each job holding a GPU it needs, the rule that keeps it, its numbers)."""
+    if wait is None:
+        return {"pending_reason": None, "pending_reason_text": "", "pending_blockers": []}
+    return {"pending_reason": wait.code, "pending_reason_text": wait.text,
+            "pending_numbers": dict(wait.numbers),
+            "pending_blockers": [{"job_id": int(b.job_id), "gpus": list(b.gpus), "code": b.code, "text": b.text,
+                                  "numbers": dict(b.numbers)} for b in wait.blockers]}
+
+
 def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
-               log_path: Optional[str] = None, *, gpus_simulated: bool) -> dict[str, Any]:
+               log_path: Optional[str] = None, *, gpus_simulated: bool, wait: Optional[Wait] = None) -> dict[str, Any]:
     """A job as the API shows it. `gpus_simulated`: the daemon's GPUs are simulated, so the GPU
-    indices (and reasons naming them) are not real GPUs; every record says so."""
+    indices (and reasons naming them) are not real GPUs; every record says so. `wait`: why it
+    waits (`Controller.wait_of`)."""
     out: dict[str, Any] = {
         "id": j.id,
         "name": j.name,
@@ -107,6 +121,7 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         "switch_s": j.switch_s,
         "argv": j.argv,
         "cwd": j.cwd,
+        **wait_fields(wait),
     }
     if events is not None:
         out["events"] = [{"time": e.time, "state": e.state, "reason": e.reason} for e in events]

@@ -59,6 +59,14 @@ def state_text(j: dict[str, Any]) -> str:
     return j["state"]
 
 
+def reason_text(j: dict[str, Any]) -> str:
+    """Why a waiting job waits ("SwitchCap: waiting for 1 GPU: ..."), the policy's own reason, as
+    `top` and the dashboard show it; for any other job, its last event."""
+    if j.get("pending_reason"):
+        return f"{j['pending_reason']}: {j.get('pending_reason_text') or ''}".rstrip(": ")
+    return j.get("reason") or ""
+
+
 def gpu_list(j: dict[str, Any]) -> str:
     """'1 [0]', or '1 [sim 0]' on simulated GPUs: GPU indices never pass for real ones."""
     gpus = ",".join(str(g) for g in j.get("assigned_gpus") or [])
@@ -79,7 +87,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> None:
     for j in jobs:
         t.add_row(plain(j["id"]), plain(j["name"]), plain(j["user"]), plain(state_text(j)), plain(j["priority"]),
                   plain(gpu_list(j)), plain("-" if j.get("step") is None else j["step"]),
-                  plain(duration(j.get("time_in_state_s"))), plain(j.get("reason") or ""))
+                  plain(duration(j.get("time_in_state_s"))), plain(reason_text(j)))
     console.print(t)
 
 
@@ -88,7 +96,7 @@ def job_detail(j: dict[str, Any]) -> None:
     sim = " (SIMULATED GPUs — no real GPU is in use)" if j.get("gpus_simulated") else ""
     rows = [
         ("job", f"{j['id']} ({j['name']})"), ("user", j["user"]), ("state", state_text(j)),
-        ("reason", j.get("reason") or "-"), ("priority", j["priority"] + ("" if j["preemptible"] else ", no-preempt")),
+        ("reason", reason_text(j) or "-"), ("priority", j["priority"] + ("" if j["preemptible"] else ", no-preempt")),
         ("gpus", f"{j['gpus']} requested; assigned {assigned}{sim}"),
         ("memory", f"declared {format_size(j['mem_bytes'])}; reported {format_size(j['device_bytes'])}"),
         ("parked", f"{j['parked']} ({format_size(j['parked_bytes'])})" if j.get("parked") else "-"),

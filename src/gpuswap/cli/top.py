@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuswap.api.client import EX_UNAVAILABLE, ClientError
-from gpuswap.cli.render import duration, plain
+from gpuswap.cli.render import duration, plain, reason_text
 from gpuswap.jobs import format_size
 
 STATE_STYLE = {"RUNNING": "green", "PAUSED": "yellow", "PAUSING": "yellow", "RESUMING": "yellow",
@@ -63,7 +63,7 @@ def frame(o: dict[str, Any]) -> Group:
     for col in ("ID", "NAME", "OWNER", "PRIO", "STATE", "WHERE", "PARKED", "IN STATE", "REASON"):
         jobs.add_column(col, no_wrap=col != "REASON", overflow="fold")
     for j in o["jobs"]:
-        reason = j["pending_reason"] or j["reason"]
+        reason = reason_text(j)
         jobs.add_row(plain(j["id"]), plain(j["name"] or "(other)"), plain(j["user"]), plain(j["priority"]),
                      plain(j["state"] + (" (held)" if j["held"] else ""), STATE_STYLE.get(j["state"], "")),
                      plain(_where(j)), plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "-"),

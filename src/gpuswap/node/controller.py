@@ -23,13 +23,14 @@ from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.observe import Observer
 from gpuswap.node.store import JobRecord, Store
-from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start
+from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
 
 log = logging.getLogger("gpuswap.controller")
 
 ACTIVE = (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING)
 WITH_PROCESS = ACTIVE + (JobState.PAUSED,)   # PAUSED in RAM or by SIGSTOP keeps its process
 MIN_GAP_S = 0.05
+HELD = Wait("", "JobHeldUser", "paused by its owner; `gpuswap resume` lets it run again")
 
 
 @dataclass
@@ -61,6 +62,10 @@ class Controller:
         self._views: dict[int, tuple[int, JobView]] = {}
         self._seen_version = 0
         self._faults: dict[tuple[int, str], str] = {}   # (job id, step) -> the failure last reported
+        # Why each waiting job waits, from the policy's last round (replaced whole each tick, so
+        # API threads read one consistent dict), and the key of the reason last written as an event.
+        self.waits: dict[int, Wait] = {}
+        self._told: dict[int, tuple] = {}
 
     # -- loop -------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -100,10 +105,15 @@ class Controller:
         views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
         snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
                               self.config.ram_budget, self.usage)
-        for d in policy.decide(snap, self.config.policy):
+        decisions, waits = policy.decide_explained(snap, self.config.policy)
+        for d in decisions:
             job = live.get(int(d.job_id))
             if job is not None:
                 self._isolated(job, now, f"to carry out a {type(d).__name__.lower()}", self._apply, d, job, now)
+        try:
+            self._explain(live, waits, now)
+        except Exception:   # a reason that cannot be recorded (a full disk) must not stop the moves below
+            log.exception("could not record why jobs wait")
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
                 self._isolated(job, now, "to update what its supervisor is asked", self._push_desired, job)
@@ -132,6 +142,30 @@ class Controller:
         else:
             if self._faults:
                 self._faults.pop(key, None)
+
+    def wait_of(self, job: JobRecord) -> Optional[Wait]:
+        """Why this job waits (a PENDING or PAUSED job the last round did not start), or None."""
+        if job.state not in (JobState.PENDING, JobState.PAUSED) or job.cancel_requested:
+            return None
+        if job.hold and not job.holds_gpu:
+            return HELD
+        return self.waits.get(job.id)
+
+    def _explain(self, live: dict[int, JobRecord], waits: dict[str, Wait], now: float) -> None:
+        """Keep the policy's reasons, and write one as an event when a job's reason changes in
+        substance (its rule or who holds it, not a countdown), so the log says why it waited."""
+        kept = {int(k): w for k, w in waits.items()}
+        for jid, w in kept.items():
+            job = live.get(jid)
+            if job is None or job.state not in (JobState.PENDING, JobState.PAUSED):
+                continue
+            key = (w.code, tuple((b.job_id, b.code) for b in w.blockers))
+            if self._told.get(jid) != key:
+                self._told[jid] = key
+                self.store.add_event(jid, now, job.state, f"waiting ({w.code}): {w.text}")
+        for jid in [j for j in self._told if j not in kept]:
+            del self._told[jid]
+        self.waits = kept
 
     def _refresh(self) -> dict[int, JobRecord]:
         """The live jobs, kept current by reading only rows written since the last read."""
@@ -183,7 +217,7 @@ class Controller:
                                   event=f"pause to {tier} refused: this job cannot be parked there "
                                         f"({self._why_not(job)})")
                 return
-            self._pause(job, tier, now, "requested by user", count=False)
+            self._pause(job, tier, now, "requested by user", by="user")
 
     def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
@@ -194,27 +228,29 @@ class Controller:
                               event=_with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason))
             self._launch(job, gen, d.gpus)
         elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.transparent_ok):
-            self._pause(job, d.tier, now, d.reason, count=True)
+            self._pause(job, d.tier, now, d.reason, by="policy")
         elif isinstance(d, Resume) and job.state == JobState.PAUSED:
             self._resume(job, d, now)
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
             self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
-                              event=_with_reason("spilling from RAM to disk", d.reason))
+                              event=_with_reason("spilling from RAM to disk", d.reason), initiator="policy")
         else:
             return
         self.store.record_decision(now, type(d).__name__.lower(), job.id, detail)
 
-    def _pause(self, job: JobRecord, tier: str, now: float, reason: str, count: bool) -> None:
+    def _pause(self, job: JobRecord, tier: str, now: float, reason: str, by: str) -> None:
+        """Start parking `job`; `by` ('policy' or 'user') is recorded on the event, and only the
+        policy's pauses count as preemptions."""
         mech = mechanism_for(job, self.transparent_ok)
         what = "freezing through the driver" if mech == "transparent" else f"pausing to {tier}"
         changes: dict = dict(state=JobState.PAUSING, mechanism=mech, desired_tier=tier, pause_requested_at=now,
                              ram_allowance=self._ram_room(job) if tier == "ram" else None)
         if mech == "cooperative":
             changes["desired"] = "paused"
-        if count:
+        if by == "policy":
             changes["preemptions"] = job.preemptions + 1
-        self.store.update(job.id, now, event=_with_reason(what, reason), **changes)
+        self.store.update(job.id, now, event=_with_reason(what, reason), initiator=by, **changes)
 
     def _ram_room(self, job: JobRecord) -> int:
         """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;

@@ -91,7 +91,8 @@ class Freezer:
         if step == "lock" and job.ram_allowance is not None:
             need = footprint(pid, self.gpus, job.assigned, job.device_bytes or job.mem_bytes)
             if need > job.ram_allowance:
-                self.store.update(job.id, now, state=JobState.RUNNING, hold=False, device_bytes=need,
+                self.store.update(job.id, now, state=JobState.RUNNING, hold=False,
+                                  device_bytes=need // max(len(job.assigned), 1),
                                   desired_tier=None,
                                   event=f"not frozen: its {format_size(need)} would exceed the host-RAM budget "
                                         f"({format_size(job.ram_allowance)} left)")
@@ -107,7 +108,8 @@ class Freezer:
             nbytes = footprint(pid, self.gpus, job.assigned, job.device_bytes or job.mem_bytes) if not job.parked_bytes \
                 else job.parked_bytes
             t = self._timings.pop(job.id, {})
-            self.bandwidths.observe("ram_park_bps", nbytes, t.get("checkpoint"))
+            if not self.driver.capability.simulated:   # it moved nothing: its timing is no bandwidth
+                self.bandwidths.observe("ram_park_bps", nbytes, t.get("checkpoint"))
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
                 home_gpus=job.assigned if not self.migration else job.assigned, assigned=[],
@@ -161,7 +163,8 @@ class Freezer:
             self.runner.start(job.id, "unlock", lambda: self.driver.unlock(cuda_pid))
         elif step == "done":
             t = self._timings.pop(job.id, {})
-            self.bandwidths.observe("ram_resume_bps", job.parked_bytes, t.get("restore"))
+            if not self.driver.capability.simulated:
+                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, t.get("restore"))
             moved = f" onto GPU {','.join(map(str, job.assigned))}" if sorted(job.assigned) != sorted(job.home_gpus) else ""
             self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
                               last_start=now,

@@ -80,7 +80,8 @@ CREATE TABLE IF NOT EXISTS events (
     job_id INTEGER NOT NULL,
     time REAL NOT NULL,
     state TEXT NOT NULL,
-    reason TEXT NOT NULL
+    reason TEXT NOT NULL,
+    initiator TEXT          -- who asked for a pause or spill: 'policy' | 'user' (NULL otherwise)
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
 CREATE TABLE IF NOT EXISTS decisions (
@@ -243,6 +244,8 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
+        if "initiator" not in {r[1] for r in self._db.execute("PRAGMA table_info(events)")}:
+            self._db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")   # a home made before it
         self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
 
     def _migrate(self) -> None:
@@ -342,10 +345,12 @@ class Store:
             rows = self._db.execute(sql, args).fetchall()
         return [JobRecord.from_row(r) for r in rows]
 
-    def update(self, job_id: int, now: float, event: Optional[str] = None, **changes: Any) -> None:
+    def update(self, job_id: int, now: float, event: Optional[str] = None, initiator: Optional[str] = None,
+               **changes: Any) -> None:
         """Change columns of a job; with `event`, also record a state event, atomically.
 
-        The event's state is the job's state after the change.
+        The event's state is the job's state after the change; `initiator` ('policy' or 'user')
+        says who asked for the pause or spill it records (for metrics, not read back from text).
         """
         if not changes and event is None:
             return
@@ -366,8 +371,8 @@ class Store:
                 if event is not None:
                     state = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()[0]
                     self._db.execute(
-                        "INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
-                        (job_id, now, state, event),
+                        "INSERT INTO events (job_id,time,state,reason,initiator) VALUES (?,?,?,?,?)",
+                        (job_id, now, state, event, initiator),
                     )
                     if "reason" not in changes:
                         self._db.execute("UPDATE jobs SET reason=? WHERE id=?", (event, job_id))
@@ -375,6 +380,13 @@ class Store:
             except BaseException:
                 self._rollback()
                 raise
+
+    def add_event(self, job_id: int, now: float, state: JobState, text: str) -> None:
+        """Record an event that changes nothing about the job (why it waits): its row, its `reason`
+        (the last transition's) and its version stay as they are."""
+        with self._lock:
+            self._db.execute("INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
+                             (job_id, now, state.value, text))
 
     def accrue(self, rows: list[tuple[int, float, float, float]]) -> None:
         """Add (attained_gpu_s, run_s, switch_s) deltas to many jobs in one transaction."""
@@ -545,9 +557,11 @@ class Store:
         with self._lock:
             return self._db.execute("DELETE FROM tokens WHERE id=?", (token_id,)).rowcount > 0
 
-    def events_after(self, after_id: int, limit: int = 10000) -> list[tuple[int, int, float, str, str]]:
-        """(id, job_id, time, state, reason) of events past `after_id`, oldest first: the table only grows."""
+    def events_after(self, after_id: int, limit: int = 10000) -> list[tuple[int, int, float, str, str, Optional[str]]]:
+        """(id, job_id, time, state, reason, initiator) of events past `after_id`, oldest first: the
+        table only grows."""
         with self._lock:
-            rows = self._db.execute("SELECT id,job_id,time,state,reason FROM events WHERE id>? ORDER BY id LIMIT ?",
+            rows = self._db.execute("SELECT id,job_id,time,state,reason,initiator FROM events WHERE id>? "
+                                    "ORDER BY id LIMIT ?",
                                     (after_id, limit)).fetchall()
         return [tuple(r) for r in rows]  # type: ignore[misc]

@@ -103,8 +103,10 @@ def job_cuda_pids(job_pid: int, gpus: GpuInventory, assigned: list[int], simulat
     return sorted(tree & on_gpus)
 
 
-def footprint(job_pid: int, gpus: GpuInventory, assigned: list[int], fallback: int) -> int:
-    """Device bytes the job's CUDA processes hold, per NVML (what a freeze will move)."""
+def footprint(job_pid: int, gpus: GpuInventory, assigned: list[int], per_gpu: int) -> int:
+    """Device bytes the job's CUDA processes hold on all its GPUs, per NVML (what a freeze will
+    move); unknown (simulated GPUs, or NVML sees none): `per_gpu` (reported or declared) on each."""
+    fallback = per_gpu * max(len(assigned), 1)
     if gpus.simulated:
         return fallback
     try:

@@ -15,7 +15,8 @@ from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import job_bytes, spill_order_ok
-from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start
+from gpuswap.policy.explain import Explainer
+from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
 from gpuswap.policy.specs import Ctx, Spec
 from gpuswap.policy.victims import Chosen, Preemption
 
@@ -30,11 +31,23 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
     return _Round(snap, spec, ctx, cl).run()
 
 
+def schedule_explained(snap: Snapshot, spec: Spec) -> tuple[list[Decision], dict[str, Wait]]:
+    """`schedule`, and why each waiting job it passed over waits (the same round, told as it goes;
+    the shortcut for a full cluster is skipped: the round reaches the same decisions)."""
+    ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
+    cl = ClusterState(snap)
+    r = _Round(snap, spec, ctx, cl, Explainer(snap, spec, ctx, cl))
+    out = r.run()
+    return out, r.why.waits
+
+
 class _Round:
     """One pass over the waiting jobs in policy order, each served by the first rule that fits."""
 
-    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
+    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState,
+                 why: Optional[Explainer] = None):
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
+        self.why = why                             # explains the jobs passed over (daemon only)
         self.out: list[Decision] = []
         self.pre: Optional[Preemption] = None      # built on first need: most calls never need it
         self.resumed: set[str] = set()
@@ -58,6 +71,8 @@ class _Round:
                 self._serve_pinned(w, key)
             elif not done:
                 done = self._serve(w, key)
+            elif self.why is not None:
+                self.why.blocked(w, self._level(w, key), self.out)
         self.out.extend(_spills(self.snap, waiting, self.resumed, cl))
         return self.out
 
@@ -69,6 +84,8 @@ class _Round:
         if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
             lw = self._level_if_may_preempt(w, key)
             if lw is None:
+                if self.why is not None:
+                    self.why.blocked(w, self._level(w, key), self.out)
                 return True
             self._preempt(w, key, lw, need)
             return False
@@ -83,8 +100,12 @@ class _Round:
         if cl.max_soon >= need:
             soon = [n for n in nodes if len(cl.free[n]) + len(cl.pending[n]) >= need]
             if soon:                        # a pause in flight will make room: wait for it
-                cl.reserve(min(soon, key=lambda n: (len(cl.free[n]) + len(cl.pending[n]), n)), need)
+                node = min(soon, key=lambda n: (len(cl.free[n]) + len(cl.pending[n]), n))
+                before = self.why.snapshot_pools(node) if self.why is not None else None
+                cl.reserve(node, need)
                 cl.refresh()
+                if self.why is not None:
+                    self._explain_reserved(w, node, before)
                 return False
         if cl.lendable:
             lent = cl.lend(need, w.mem_bytes, nodes)
@@ -97,26 +118,42 @@ class _Round:
             if elsewhere:                   # its node is full but GPUs idle elsewhere: relocate via disk
                 self.out.append(Spill(w.id, f"{w.node} is busy; moved to disk to resume on another node"))
                 self.resumed.add(w.id)
-                cl.reserve(min(elsewhere, key=lambda n: (len(cl.free[n]), n)), need)
+                node = min(elsewhere, key=lambda n: (len(cl.free[n]), n))
+                before = self.why.snapshot_pools(node) if self.why is not None else None
+                cl.reserve(node, need)
                 cl.refresh()
+                if self.why is not None:
+                    self.why.promise(w, node, before)
+                    self.why.say(w, "Relocating", f"{w.node} is busy: moving its parked state to disk to "
+                                                  f"resume on {node}")
                 return False
         lw = self._level_if_may_preempt(w, key)
         if lw is not None:
             self._preempt(w, key, lw, need)
+        elif self.why is not None:
+            self.why.blocked(w, self._level(w, key), self.out)
         return False
 
     def _preempt(self, w: JobView, key: tuple, lw: tuple, need: int) -> None:
         group, rank = self.spec.benefit_rank(w, self.ctx)
         like = (w.gpus, w.node if w.parked == "ram" else None, group)
         if rank >= self.no_plan.get(like, float("inf")):
+            if self.why is not None:
+                self.why.blocked(w, lw, self.out)
             return
         found = self.pre.plan(w, lw)
         if found is None:
             self.no_plan[like] = min(rank, self.no_plan.get(like, float("inf")))
+            if self.why is not None:
+                self.why.blocked(w, lw, self.out)
             return
         node, chosen = found
+        before = self.why.snapshot_pools(node) if self.why is not None else None
         self.cl.reserve(node, need)
         self._pause(w, node, chosen)
+        if self.why is not None:
+            self.why.promise(w, node, before)
+            self._explain_pausing(w, chosen)
 
     def _serve_pinned(self, w: JobView, key: tuple) -> None:
         """A RAM-parked job whose CUDA context stays on its GPUs resumes on exactly those."""
@@ -124,6 +161,8 @@ class _Round:
         home = set(w.home_gpus)
         node = cl.node_of.get(w.home_gpus[0])
         if node is None:
+            if self.why is not None:
+                self.why.say(w, "Resources", f"its own GPU {_ids(w.home_gpus)} is not among this node's GPUs")
             return
         free, pending = set(cl.free[node]), set(cl.pending[node])
         if home <= free:
@@ -132,12 +171,20 @@ class _Round:
         elif home <= free | pending:
             cl.take_exactly(node, home)     # a pause in flight frees the rest: wait for it
             cl.refresh()
+            if self.why is not None:
+                self._explain_reserved(w, node, free | pending)
         else:
             lw = self._level_if_may_preempt(w, key)
             chosen = self.pre.plan_for_gpus(w, lw, node, home - free - pending) if lw is not None else None
             if chosen is not None:
                 cl.take_exactly(node, home)
                 self._pause(w, node, chosen)
+                if self.why is not None:
+                    self.why.promise(w, node, free | pending)
+                    self._explain_pausing(w, chosen)
+            elif self.why is not None:
+                self.why.blocked(w, self._level(w, key), self.out, sorted(home),
+                                 f"waiting for its own GPU {_ids(sorted(home))} (its state stays tied to them)")
 
     def _continue_stopped(self, w: JobView) -> None:
         """A stopped job (SIGSTOP fallback) continues once nobody computes on its GPUs."""
@@ -147,6 +194,30 @@ class _Round:
                 del cl.lendable[g]
             self.out.append(Resume(w.id, tuple(w.assigned), "resumed on the GPUs it kept while paused"))
             self.resumed.add(w.id)
+        elif self.why is not None:
+            self.why.blocked(w, None, self.out, list(w.assigned),
+                             f"stopped on GPU {_ids(w.assigned)}, which another job is using")
+
+    def _level(self, w: JobView, key: tuple) -> Optional[tuple]:
+        """`w`'s preemption level (None under a policy that never preempts), for explanations."""
+        if not self.spec.preemptive:
+            return None
+        return key[:self.spec.level_prefix] if self.spec.level_prefix else self.spec.level(w, self.ctx)
+
+    def _explain_reserved(self, w: JobView, node: str, before: set[int]) -> None:
+        self.why.promise(w, node, before)
+        pausing = sorted({j.id for j in self.snap.jobs if j.phase is Phase.PAUSING
+                          and any(self.why.promised.get(g) == w.id for g in j.assigned)})
+        self.why.say(w, "Preempting", f"waiting for GPUs a pause in flight frees (job {', '.join(pausing)} "
+                     f"{'is' if len(pausing) == 1 else 'are'} being parked)" if pausing
+                     else "waiting for GPUs a pause in flight frees")
+
+    def _explain_pausing(self, w: JobView, chosen: Chosen) -> None:
+        ids = ", ".join(v.id for v, _ in chosen)
+        spilling = any(plan.spill for _, plan in chosen)
+        self.why.say(w, "Preempting", f"pausing job {ids} to free GPUs for it"
+                     + (" (first moving parked jobs from RAM to disk to make room)" if spilling else ""),
+                     switch_s=sum(plan.gpu_s for _, plan in chosen))
 
     def _level_if_may_preempt(self, w: JobView, key: tuple) -> Optional[tuple]:
         """`w`'s preemption level, or None when nobody can be paused for it."""

@@ -138,3 +138,29 @@ class Spill:
 
 
 Decision = Union[Start, Pause, Resume, Spill]
+
+
+@dataclass(frozen=True, slots=True)
+class Blocker:
+    """One job holding GPUs a waiting job needs, and the rule that keeps it there."""
+
+    job_id: str
+    gpus: tuple[int, ...]
+    code: str                        # e.g. "SwitchCap", "MinRuntime", "NoPreempt", "Priority"
+    text: str                        # "would spend 31 s parking job 4, over its 20% switching cap"
+    numbers: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Why a schedulable job got no GPU from this round, from the round's own reasoning (`explain`).
+
+    `code` is the rule that holds it (the first blocker's, or the round's own, e.g. "Preempting"),
+    `text` a sentence with its numbers, `blockers` every holder of a GPU it needs and why."""
+
+    job_id: str
+    code: str
+    text: str
+    numbers: Mapping[str, float] = field(default_factory=dict)
+    blockers: tuple[Blocker, ...] = ()
+

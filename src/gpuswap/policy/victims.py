@@ -36,6 +36,31 @@ def under_switch_cap(v: JobView, cost: float, snap: Snapshot) -> bool:
     return life <= 0 or (v.switch_s + cost) / life <= snap.config.max_switch_fraction
 
 
+def protection(v: JobView, snap: Snapshot) -> Optional[tuple[str, str, dict[str, float]]]:
+    """Why a RUNNING job may not be paused for anyone: (code, text, numbers), or None when it may.
+    The rules `eligible` applies, one job at a time (tested to agree), for explanations."""
+    if not v.preemptible:
+        return "NoPreempt", "not preemptible", {}
+    if not v.tiers:
+        return "NotParkable", "cannot be parked: no gpuswap runtime attached and no driver freeze", {}
+    left = (v.phase_since if v.last_start is None else v.last_start) - (snap.now - snap.config.min_runtime_s)
+    if left > 0:
+        return ("MinRuntime", f"protected for its minimum runtime, {left:.0f} s more",
+                {"seconds_left": left, "min_runtime_s": snap.config.min_runtime_s})
+    return None
+
+
+def switch_cap_numbers(v: JobView, cost: float, snap: Snapshot) -> dict[str, float]:
+    """The figures behind `under_switch_cap`: this switch's cost, the switch time and life it would
+    make, the cap, and how many more seconds of life would bring the job under it."""
+    cap = snap.config.max_switch_fraction
+    age = max(snap.now - v.submit_time, 0.0)
+    after = (v.switch_s + cost) / cap - cost if cap > 0 else float("inf")
+    return {"switch_s": cost, "switched_s": v.switch_s + cost, "life_s": age + cost, "cap": cap,
+            "fraction": (v.switch_s + cost) / (age + cost) if age + cost > 0 else 0.0,
+            "allowed_in_s": max(after - age, 0.0)}
+
+
 def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[list[JobView], list[tuple]]:
     """Running jobs that may be paused at all (runtime attached, preemptible, past the minimum
     runtime), with their levels.

@@ -193,7 +193,8 @@ async function renderJob(id) {
   const log = await api("GET", `/v1/jobs/${id}/log/tail?size=8192`).catch(() => "");
   $("#job-title").replaceChildren(`Job ${j.id} · `, j.name, " ", stateSpan(j.state));
   $("#job-actions").replaceChildren(...actionButtons({ ...j, mine: true, tier: j.parked }));
-  const facts = [["owner", j.user], ["priority", j.priority + (j.preemptible ? "" : ", no-preempt")],
+  const facts = [["owner", j.user], ...(j.pending_reason ? [["waiting", `${j.pending_reason}: ${j.pending_reason_text}`]] : []),
+    ["priority", j.priority + (j.preemptible ? "" : ", no-preempt")],
     ["where", where({ ...j, tier: j.parked })], ["parked", j.parked ? `${j.parked} (${size(j.parked_bytes)})` : "-"],
     ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}`], ["step", j.step ?? "-"],
     ["in state", dur(j.time_in_state_s)], ["preemptions", j.preemptions],

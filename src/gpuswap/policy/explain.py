@@ -1,0 +1,156 @@
+"""Why a waiting job got no GPU this round: the rule that holds it, with its numbers.
+
+Asked by the engine (only when the caller wants explanations: the daemon, not the simulator) at
+the moment a job is passed over, so it sees the round exactly as the decision did: the GPUs
+already handed out or promised to jobs ahead of it, victims being paused, the host-RAM room left.
+Every holder of a GPU the job needs is put through the gates `victims.eligible` and
+`victims.plan_on` apply (eligibility, preemption level, a park plan, the switch-time cap, benefit
+versus cost), with the same predicates; the first that refuses is its reason (a minimum runtime,
+which runs out, is named after a preemption level, which does not). Nothing here changes the round.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from gpuswap.policy.cluster import ClusterState
+from gpuswap.policy.costs import park_plan
+from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
+from gpuswap.policy.specs import Ctx, Spec, gs_band, label, las_queue, service_s
+from gpuswap.policy.victims import protection, switch_cap_numbers, under_switch_cap
+
+
+class Explainer:
+    """The waits of one round. The engine tells it what the round promised (`promise`)."""
+
+    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
+        self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
+        self.waits: dict[str, Wait] = {}
+        self.promised: dict[int, str] = {}     # GPU -> waiting job it is reserved for this round
+        self.holders: dict[int, JobView] = {}
+        for j in snap.jobs:
+            if j.phase in (Phase.RUNNING, Phase.PAUSING, Phase.RESUMING) or j.holds_gpu_while_paused:
+                for g in j.assigned:
+                    self.holders[g] = j
+
+    # -- what the round did ------------------------------------------------------------------
+    def snapshot_pools(self, node: str) -> set[int]:
+        return set(self.cl.free.get(node, ())) | set(self.cl.pending.get(node, ()))
+
+    def promise(self, w: JobView, node: str, before: set[int]) -> None:
+        """GPUs that left node's free and pending pools for `w` (a reservation)."""
+        for g in before - self.snapshot_pools(node):
+            self.promised[g] = w.id
+
+    def say(self, w: JobView, code: str, text: str, **numbers: float) -> None:
+        self.waits[w.id] = Wait(w.id, code, text, numbers)
+
+    # -- why not ----------------------------------------------------------------------------
+    def blocked(self, w: JobView, lw: Optional[tuple], out: list, gpus: Optional[list[int]] = None,
+                lead: str = "") -> None:
+        """Explain `w` from the holders of the GPUs it needs (`gpus`: exactly these, for a job
+        pinned to its own GPUs or stopped on them; else any `w.gpus` on one node it may use)."""
+        cl, snap = self.cl, self.snap
+        given = {g: d.job_id for d in out if isinstance(d, (Start, Resume)) for g in d.gpus}
+        pausing_now = {d.job_id: d for d in out if isinstance(d, Pause)}
+        if gpus is None:
+            nodes = cl.candidate_nodes(w)
+            if not nodes:
+                self.say(w, "Resources", f"its parked state is on node {w.node}, which has no GPU now")
+                return
+            node = max(nodes, key=lambda n: (len(cl.free[n]), n == w.node, n))
+            wanted = [g.id for g in snap.gpus if g.node == node]
+        else:
+            node, wanted = (cl.node_of.get(gpus[0], "") if gpus else ""), sorted(gpus)
+        need = max(w.gpus, 1) if gpus is None else len(wanted)
+        free = [g for g in wanted if g in cl.free.get(node, ())]
+        parts: list[tuple[str, list[int]]] = []       # (description, GPUs), in GPU order, grouped
+        blockers: list[Blocker] = []
+        by_desc: dict[str, list[int]] = {}
+        for g in wanted:
+            if g in free:
+                continue
+            holder = self.holders.get(g)
+            if holder is not None and holder.id == w.id:
+                continue
+            if g in given:
+                desc, b = f"given to job {given[g]} this round", None
+            elif g in self.promised:
+                desc, b = f"promised to job {self.promised[g]}, ahead in the queue", None
+            elif holder is None:
+                desc, b = "unhealthy", None
+            else:
+                code, text, numbers = self._holder(w, lw, holder, node, pausing_now)
+                desc = f"held by job {holder.id} ({text})"
+                b = Blocker(holder.id, tuple(x for x in holder.assigned), code, text, numbers)
+            if desc not in by_desc:
+                by_desc[desc] = []
+                parts.append((desc, by_desc[desc]))
+                if b is not None:
+                    blockers.append(b)
+            by_desc[desc].append(g)
+        where = f" on {node}" if len(cl.nodes) > 1 else ""
+        head = lead or (f"waiting for {need} GPU{'s' if need != 1 else ''}{where}"
+                        + (f" ({len(free)} free)" if free else ""))
+        text = head + ": " + "; ".join(f"GPU {','.join(map(str, gs))} {d}" for d, gs in parts) if parts else head
+        code = blockers[0].code if blockers else ("Priority" if any(g in self.promised or g in given for g in wanted)
+                                                  else "Resources")
+        self.waits[w.id] = Wait(w.id, code, text, {"gpus_needed": need, "gpus_free": len(free)}, tuple(blockers))
+
+    def _holder(self, w: JobView, lw: Optional[tuple], v: JobView, node: str,
+                pausing_now: dict) -> tuple[str, str, dict[str, float]]:
+        """The first rule that keeps `v` on its GPUs for `w`: plan_on's gates, in its order."""
+        snap, spec, ctx = self.snap, self.spec, self.ctx
+        if v.id in pausing_now:
+            return "Preempting", f"being paused this round: {pausing_now[v.id].reason}", {}
+        if v.phase is Phase.PAUSING:
+            return "Preempting", "being paused; its GPUs are freed once it is parked", {}
+        if v.phase is Phase.RESUMING:
+            return "Resources", "resuming", {}
+        if v.phase is not Phase.RUNNING:
+            return "Resources", "stopped with its memory still on the GPU", {}
+        # Every gate must pass, so any that refuses is true; the lasting ones are named first (a
+        # minimum runtime runs out, a higher class does not).
+        why = protection(v, snap)
+        if why is not None and why[0] != "MinRuntime":
+            return why
+        if lw is None:
+            return "NoPreemption", f"policy {spec.name} never pauses a running job", {}
+        lv = spec.running_levels([v], ctx)[0] if spec.running_levels else spec.level(v, ctx)
+        if not lw < lv:
+            return "Priority", self._level_text(w, v), {}
+        if why is not None:
+            return why
+        cl = self.cl
+        plan = park_plan(v, cl.ram_free[node], lambda: cl.spillable_on(node), snap.costs, snap.config)
+        if plan is None:
+            return ("NoRoom", "nowhere to park it: the host-RAM park budget is full"
+                    + ("" if snap.config.allow_disk and "disk" in v.tiers else " and it cannot go to disk"), {})
+        cost = plan.per_gpu_s(v)
+        if spec.switch_cap and not under_switch_cap(v, cost, snap):
+            n = switch_cap_numbers(v, cost, snap)
+            return ("SwitchCap",
+                    f"would spend {cost:.0f} s parking and resuming it ({plan.tier}), over its "
+                    f"{n['cap']:.0%} switching cap: {n['switched_s']:.0f} s of a {n['life_s']:.0f} s life; "
+                    f"allowed in {n['allowed_in_s']:.0f} s", n)
+        if spec.benefit_ok is not None and not spec.benefit_ok(w, v, ctx, cost):
+            gain = service_s(v) - service_s(w)
+            factor = snap.config.switch_benefit_factor
+            return ("Benefit", f"same class; the gain ({gain:.0f} s less service) is under {factor:g}x the "
+                    f"{cost:.0f} s a switch costs", {"gain_s": gain, "switch_s": cost, "factor": factor})
+        return "Resources", "could be paused, but that alone would not free enough GPUs on one node", {"switch_s": cost}
+
+    def _level_text(self, w: JobView, v: JobView) -> str:
+        """Why `v` ranks too high for `w` to pause it, in the policy's terms."""
+        if v.priority > w.priority:
+            return f"{label(v.priority)}, not preemptible by a lower priority"
+        if v.priority < w.priority:
+            return f"{label(v.priority)}; policy {self.spec.name} does not pause it for job {w.id}"
+        name, c = self.spec.name, self.ctx
+        if name == "gpuswap":
+            return (f"same class ({label(v.priority)}) and attained-service band {gs_band(v, c)}, "
+                    f"not above job {w.id}'s {gs_band(w, c)}")
+        if name == "las":
+            return f"LAS queue {las_queue(v, c)}, not above job {w.id}'s {las_queue(w, c)}"
+        if name == "gandiva":
+            return "its time slice is not over"
+        return f"same priority ({label(v.priority)})"
