@@ -150,6 +150,11 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if job.no_runtime:
             raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
                                      f"(no gpuswap runtime attached, or none within the pause timeout)")
+        if job.hold and not (job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"):
+            where = f"parked {'on disk' if job.parked == 'disk' else 'in RAM'}" if job.parked else "held"
+            done = (f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
+                    else f"job {job_id} already has a pause under way ({job.state.value}); nothing to do")
+            return {**record(job), "nothing_done": done}
         if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
             store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
                          pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}")
@@ -169,9 +174,14 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         job = own_job(job_id, who)
         if job.state.terminal or job.state == JobState.PENDING:
             raise HTTPException(409, f"job {job_id} is {job.state.value}; only a paused job can be resumed")
-        if job.hold:
-            store.update(job_id, time.time(), hold=False,
-                         event=f"resume requested by {who.user}; it runs when its GPUs are free")
+        if not job.hold:   # nothing of the user's to undo: say so rather than succeed silently
+            done = (f"job {job_id} is already {job.state.value.lower()}; nothing to resume"
+                    if job.state in (JobState.RUNNING, JobState.RESUMING) else
+                    f"job {job_id} is {job.state.value} by the scheduler, not held by a user; it resumes on "
+                    "its own when its GPUs are free; nothing to resume")
+            return {**record(job), "nothing_done": done}
+        store.update(job_id, time.time(), hold=False,
+                     event=f"resume requested by {who.user}; it runs when its GPUs are free")
         controller.wake()
         return record(store.get(job_id) or job)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
@@ -20,6 +20,14 @@ class SubmitRequest(BaseModel):
     mem: Optional[Union[str, int]] = None
     preemptible: bool = True
     pause_mode: str = Field(default="auto", pattern="^(auto|cooperative|transparent)$")
+
+    @field_validator("argv")
+    @classmethod
+    def _command_named(cls, argv: list[str]) -> list[str]:
+        # An empty program name would be accepted here and only fail at launch ("cannot start ''").
+        if not argv[0].strip():
+            raise ValueError("the command name (argv[0]) is empty")
+        return argv
 
 
 class PauseRequest(BaseModel):
