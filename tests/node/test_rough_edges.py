@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gpuswap_testing import train_cmd
 
@@ -126,6 +127,7 @@ def test_top_once_does_not_offer_a_key_it_does_not_read(daemon):
 
 
 # -- 5: the demo ----------------------------------------------------------------------------------
+@pytest.mark.timeout(900)   # the whole demo: a reference run, a daemon, two jobs (minutes on a loaded machine)
 def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
     base = home / "chosen"     # short: the daemon's Unix socket path is limited to 108 bytes
     r = gpuswap("demo", "--steps", "200", "--keep", env=dict(os.environ, GPUSWAP_HOME=str(base)), timeout=600)
