@@ -8,7 +8,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ def _seconds(text: str) -> float:
 
 def _job_id(text: str) -> int:
     """A job id: a positive integer (ids start at 1)."""
-    if not text.isdigit() or int(text) < 1 or int(text) > 2**62:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1 or int(text) > 2**62:
         raise argparse.ArgumentTypeError(f"job id must be a positive integer, not {text!r}")
     return int(text)
 

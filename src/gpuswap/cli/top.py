@@ -66,7 +66,8 @@ def frame(o: dict[str, Any], live: bool = True) -> Group:
         reason = j["pending_reason"] or j["reason"]
         jobs.add_row(plain(j["id"]), plain(j["name"] or "(other)"), plain(j["user"]), plain(j["priority"]),
                      plain(j["state"] + (" (held)" if j["held"] else ""), STATE_STYLE.get(j["state"], "")),
-                     plain(_where(j)), plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"),
+                     plain(_where(j)),
+                     plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"),
                      plain(duration(j["time_in_state_s"])), plain(reason))
     ram = o["ram"]
     ram_line = Table.grid(padding=(0, 1))

@@ -85,10 +85,16 @@ class Watch:
 
 
 def run_demo(keep: bool = False, steps: int = 400) -> int:
-    base = os.environ.get(ENV_HOME)
-    if base:   # the user chose where gpuswap state goes; a fresh directory there, beside any daemon's
-        Path(base).expanduser().mkdir(parents=True, exist_ok=True)
-    home = Path(tempfile.mkdtemp(prefix="gpuswap-demo-", dir=Path(base).expanduser() if base else None))
+    base = Path(os.environ[ENV_HOME]).expanduser() if os.environ.get(ENV_HOME) else None
+    try:   # the user chose where gpuswap state goes: a fresh directory there, beside any daemon's
+        if base is not None:
+            base.mkdir(parents=True, exist_ok=True)
+        home = Path(tempfile.mkdtemp(prefix="gpuswap-demo-", dir=base))
+    except OSError as e:
+        where = escape(str(base or tempfile.gettempdir()))
+        console.print(f"[red]demo failed:[/red] cannot make its directory in {where} ({ENV_HOME}): "
+                      f"{escape(e.strerror or str(e))}")
+        return 1
     ngpus = _real_gpu_count()
     simulate = None if ngpus else "1x80GiB"
     where = f"{ngpus} real GPU(s)" if ngpus else "1 SIMULATED GPU (no real GPU here; memory figures are the jobs' own)"

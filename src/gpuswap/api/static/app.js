@@ -52,7 +52,8 @@ function size(n) {
 function dur(s) {
   if (s == null) return "-";
   s = Math.floor(s);
-  const two = (big, unit, small, sunit) => (small ? `${big}${unit} ${String(small).padStart(2, "0")}${sunit}` : `${big}${unit}`);
+  const two = (big, unit, small, sunit) =>
+    (small ? `${big}${unit} ${String(small).padStart(2, "0")}${sunit}` : `${big}${unit}`);
   if (s < 60) return `${s}s`;
   if (s < 3600) return two(Math.floor(s / 60), "m", s % 60, "s");
   if (s < 86400) return two(Math.floor(s / 3600), "h", Math.floor(s % 3600 / 60), "m");
@@ -124,7 +125,7 @@ function actionButtons(j) {
 async function act(action, id) {
   try {
     const j = await api("POST", `/v1/jobs/${id}/${action}`, action === "pause" ? { to: "ram" } : {});
-    flash(`job ${id}: ${action} requested — now ${j.state}`, "ok");
+    flash(j.nothing_done ? `job ${id}: ${j.nothing_done}` : `job ${id}: ${action} requested — now ${j.state}`, "ok");
   } catch (e) {
     if (e.message !== "unauthenticated") flash(`cannot ${action} job ${id}: ${e.message}`, "action");
   }
