@@ -142,6 +142,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         e409="refused, with the reason: the job is not started, cannot be parked (no safepoint reached, "
              "or no tier it can be parked to), or the controller declined the pause"))
     def pause(job_id: JobId, req: PauseRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """Hold the job paused (to ram or disk). A job already held paused is left as it is: 200 with
+        `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
         job = own_job(job_id, who)
         if req.to not in ("ram", "disk"):
             raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
@@ -171,6 +173,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
 
     @app.post("/v1/jobs/{job_id}/resume", responses=errors(e404=NO_JOB, e409="the job is pending or ended"))
     def resume(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """Drop the user's hold. A job no user holds (running, or paused by the scheduler) is left as it
+        is: 200 with `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
         job = own_job(job_id, who)
         if job.state.terminal or job.state == JobState.PENDING:
             raise HTTPException(409, f"job {job_id} is {job.state.value}; only a paused job can be resumed")
