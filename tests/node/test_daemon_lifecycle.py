@@ -126,7 +126,7 @@ def test_markup_in_user_strings_is_shown_verbatim(daemon):
     assert "[/x]" in ls.stdout and "[bold]loud[/bold]" in ls.stdout and "[/y]" in ls.stdout
     show = daemon.cli("show", str(odd))
     assert show.returncode == 0 and "Traceback" not in show.stderr, show.stderr
-    assert "[/x]" in show.stdout and "echo '[red]x[/red]'" in show.stdout
+    assert "[/x]" in show.stdout and """sh -c 'echo '"'"'[red]x[/red]'"'"''""" in show.stdout   # shlex.join
     show = daemon.cli("show", str(missing))
     assert show.returncode == 0 and "cannot start '/nonexistent/[/y]'" in show.stdout
     blocker = daemon.submit(["sleep", "30"], name="[/z]")

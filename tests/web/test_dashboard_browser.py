@@ -280,3 +280,47 @@ def test_dashboard_refused_pause_shows_the_reason(browser, make_daemon, tmp_path
     assert d.job(job)["state"] == "RUNNING" and d.job(job)["held"] is False
     pg.ctx.close()
     d.cli("cancel", str(job))
+
+
+def test_dashboard_header_durations_icon_job_links_and_frozen_jobs(browser, make_daemon, tmp_path):
+    """Issue 11 item 9: the admin's header reads "root admin"; the half-life reads "7 days"; the
+    page's icon is served (CSP 'self'); a job link that carries a token opens that job's page; a
+    driver-frozen job parked in RAM shows its parked size as such, never "-"."""
+    from playwright.sync_api import expect
+
+    web = start_web(make_daemon, "1x80GiB")
+    d = web.daemon
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    # No runtime and no --mem: the (simulated) driver freezes it without a measured footprint.
+    frozen = d.submit(["sleep", "600"], name="frozen", pause_mode="transparent")
+    d.state(frozen, "RUNNING")
+    d.client.post(f"/v1/jobs/{frozen}/pause", {"to": "ram"})
+    j = d.until(frozen, lambda j: j["state"] == "PAUSED")
+    assert j["parked"] == "ram" and j["mechanism"] == "transparent" and j["parked_bytes"] == 0
+
+    pg = Page(browser, web, web.token(), shots, "edges")
+    p = pg.page
+    expect(p.locator("#who")).to_have_text("root admin")
+    expect(p.locator("#who .badge.admin")).to_have_text("admin")
+    expect(p.locator("#fair-hint")).to_contain_text("half-life of 7 days;")
+    pg.expect_state(frozen, "PAUSED")
+    expect(pg.row(frozen).locator(".where")).to_have_text("parked in RAM")
+    parked = pg.row(frozen).locator("td.parked")
+    expect(parked).to_have_text("size unknown")
+    pg.shot("overview")
+
+    icon = p.evaluate("document.querySelector('link[rel~=icon]')?.href ?? new URL('/favicon.ico', location).href")
+    r = p.request.get(icon)
+    assert r.status == 200 and r.headers["content-type"].startswith("image/"), (icon, r.status)
+
+    # A job link with the token in it, in a fresh tab: the job's page, and no secret left in the URL.
+    ctx = browser.new_context()
+    q = ctx.new_page()
+    q.goto(f"{web.url}/ui/#/job/{frozen}&token={web.token()}")
+    expect(q.locator("#job-title")).to_contain_text("frozen", timeout=30_000)
+    expect(q.locator("#jobpage")).to_be_visible()
+    assert q.url.endswith(f"/ui/#/job/{frozen}"), q.url
+    ctx.close()
+    pg.ctx.close()
+    d.cli("cancel", str(frozen))

@@ -104,13 +104,14 @@ def test_token_cli_prints_usable_url(web):
     assert unknown.returncode == 64 and "no user" in unknown.stderr
 
 
-@pytest.mark.parametrize("spec, message", [("127.0.0.1:notaport", "cannot read --listen"),
-                                           ("999.1.1.1:80", "cannot listen on")])
-def test_bad_listen_address_is_one_line_exit_1(make_daemon, home, spec, message):
+@pytest.mark.parametrize("spec, message, code", [("127.0.0.1:notaport", "cannot read --listen", 64),
+                                                 ("999.1.1.1:80", "cannot listen on", 1)])
+def test_bad_listen_address_is_one_line(make_daemon, home, spec, message, code):
+    """Unreadable: a usage error (64). Readable but not bindable: a failure (1)."""
     env = dict(os.environ, GPUSWAP_HOME=str(home))
     r = subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "server", "--simulate-gpus", "1",
                         "--listen", spec], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == code and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_port_in_use_is_one_line_exit_1(web, tmp_path):

@@ -159,6 +159,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         e409="refused, with the reason: the job is not started, cannot be parked (no safepoint reached, "
              "or no tier it can be parked to), or the controller declined the pause"))
     def pause(job_id: JobId, req: PauseRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """Hold the job paused (to ram or disk). A job already held paused is left as it is: 200 with
+        `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
         job = own_job(job_id, who)
         if req.to not in ("ram", "disk"):
             raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
@@ -167,6 +169,11 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if job.no_runtime:
             raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
                                      f"(no gpuswap runtime attached, or none within the pause timeout)")
+        if job.hold and not (job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"):
+            where = f"parked {'on disk' if job.parked == 'disk' else 'in RAM'}" if job.parked else "held"
+            done = (f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
+                    else f"job {job_id} already has a pause under way ({job.state.value}); nothing to do")
+            return {**record(job), "nothing_done": done}
         if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
             store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
                          pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}",
@@ -184,12 +191,19 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
 
     @app.post("/v1/jobs/{job_id}/resume", responses=errors(e404=NO_JOB, e409="the job is pending or ended"))
     def resume(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """Drop the user's hold. A job no user holds (running, or paused by the scheduler) is left as it
+        is: 200 with `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
         job = own_job(job_id, who)
         if job.state.terminal or job.state == JobState.PENDING:
             raise HTTPException(409, f"job {job_id} is {job.state.value}; only a paused job can be resumed")
-        if job.hold:
-            store.update(job_id, time.time(), hold=False,
-                         event=f"resume requested by {who.user}; it runs when its GPUs are free")
+        if not job.hold:   # nothing of the user's to undo: say so rather than succeed silently
+            done = (f"job {job_id} is already {job.state.value.lower()}; nothing to resume"
+                    if job.state in (JobState.RUNNING, JobState.RESUMING) else
+                    f"job {job_id} is {job.state.value} by the scheduler, not held by a user; it resumes on "
+                    "its own when its GPUs are free; nothing to resume")
+            return {**record(job), "nothing_done": done}
+        store.update(job_id, time.time(), hold=False,
+                     event=f"resume requested by {who.user}; it runs when its GPUs are free")
         controller.wake()
         return record(store.get(job_id) or job)
 

@@ -40,6 +40,7 @@ class Client:
         self.home = home or default_home()
         self.sock: Any = self.home / "gpuswap.sock"
         url = os.environ.get(ENV_URL, "").strip() if home is None else ""
+        self.remote = bool(url)
         if url:
             if not url.startswith(("http://", "https://")):
                 raise ClientError(f"{ENV_URL}={url!r} is not an http:// URL", EX_USAGE)
@@ -61,8 +62,9 @@ class Client:
         try:
             r = self._http.request(method, path, **kw)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
-            raise ClientError(f"no gpuswap daemon is listening on {self.sock} "
-                              "(start one with `gpuswap server`, or set GPUSWAP_HOME)", EX_UNAVAILABLE) from None
+            hint = (f"check {ENV_URL}, and that the server runs with --listen" if self.remote
+                    else "start one with `gpuswap server`, or set GPUSWAP_HOME")
+            raise ClientError(f"no gpuswap daemon is listening on {self.sock} ({hint})", EX_UNAVAILABLE) from None
         except httpx.TimeoutException:
             raise ClientError(f"the gpuswap daemon on {self.sock} did not answer in time", EX_UNAVAILABLE) from None
         except httpx.TransportError as e:

@@ -38,6 +38,14 @@ class SubmitRequest(BaseModel):
                 _exec_text(value, info.field_name or "value")
         return v
 
+    @field_validator("argv")
+    @classmethod
+    def _command_named(cls, argv: list[str]) -> list[str]:
+        # An empty program name would be accepted here and only fail at launch ("cannot start ''").
+        if not argv[0].strip():
+            raise ValueError("the command name (argv[0]) is empty")
+        return argv
+
     @model_validator(mode="after")
     def _within_size_limits(self) -> "SubmitRequest":
         check_command(self.argv, self.env)     # api/limits.py: bytes, not just counts

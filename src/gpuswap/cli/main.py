@@ -25,6 +25,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{self.prog}: {message}")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        # argparse leaves a verb's unknown options for the top parser to report as
+        # "gpuswap: unrecognized arguments"; report them here, under the verb that was given.
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
 
 def _seconds(text: str) -> float:
     """A finite, non-negative number (seconds, or a fraction): nan, inf and negatives are usage
@@ -39,8 +47,15 @@ def _seconds(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):    # '²'.isdigit() is True, and int() refuses it
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
+
+
+def _job_id(text: str) -> int:
+    """A job id: a positive integer (ids start at 1)."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1 or int(text) > 2**62:
+        raise argparse.ArgumentTypeError(f"job id must be a positive integer, not {text!r}")
     return int(text)
 
 
@@ -112,29 +127,29 @@ def build_parser() -> Parser:
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("show", help="one job in detail, with its events")
-    s.add_argument("id", type=int)
+    s.add_argument("id", type=_job_id)
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("logs", help="a job's output")
-    s.add_argument("id", type=int)
+    s.add_argument("id", type=_job_id)
     s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     s.set_defaults(func=cmd_logs)
 
     s = sub.add_parser("wait", help="wait for a job to end; exit with its exit code")
-    s.add_argument("id", type=int)
+    s.add_argument("id", type=_job_id)
     s.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 124)")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_wait)
 
     for verb, helptext in (("cancel", "stop a job"), ("resume", "let a paused job run again")):
         s = sub.add_parser(verb, help=helptext)
-        s.add_argument("id", type=int)
+        s.add_argument("id", type=_job_id)
         s.add_argument("--json", **json_flag)
         s.set_defaults(func=cmd_action, action=verb)
 
     s = sub.add_parser("pause", help="park one of your running jobs until `gpuswap resume`")
-    s.add_argument("id", type=int)
+    s.add_argument("id", type=_job_id)
     s.add_argument("--to", choices=("ram", "disk"), default="ram")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_action, action="pause")
@@ -144,7 +159,8 @@ def build_parser() -> Parser:
     s.set_defaults(func=cmd_gpus)
 
     s = sub.add_parser("demo", help="an urgent job takes a busy GPU; the long job resumes exactly")
-    s.add_argument("--keep", action="store_true", help="keep the demo's temporary GPUSWAP_HOME")
+    s.add_argument("--keep", action="store_true",
+                   help="keep the demo's state directory (made inside $GPUSWAP_HOME when set, else in /tmp)")
     s.add_argument("--steps", type=int, default=400, help="training steps of the long job")
     s.set_defaults(func=cmd_demo)
 
@@ -159,6 +175,7 @@ def build_parser() -> Parser:
         sim_cli.register(sub)
     except ImportError:
         pass
+    sub.metavar = "{" + ",".join(sub.choices) + "}"   # "required: {server,submit,...}", not "verb"
     return p
 
 
@@ -187,6 +204,9 @@ def cmd_submit(a: argparse.Namespace) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         raise UsageError("gpuswap submit: no command given; write: gpuswap submit [options] -- CMD ARGS")
+    if not command[0].strip():
+        raise UsageError(f"gpuswap submit: the command name is empty ({command[0]!r}); "
+                         "write: gpuswap submit [options] -- CMD ARGS")
     if a.gpus < 1:
         raise UsageError("gpuswap submit: --gpus must be at least 1")
     body = {"argv": command, "cwd": os.getcwd(), "env": dict(os.environ), "name": a.name,
@@ -265,7 +285,10 @@ def cmd_action(a: argparse.Namespace) -> int:
 
     body = {"to": a.to} if a.action == "pause" else None
     job = _client().post(f"/v1/jobs/{a.id}/{a.action}", body)
-    _out(a, job, lambda j: print(f"job {j['id']}: {render.state_text(j)} — {j['reason']}"))
+    if job.get("nothing_done"):     # already as asked: exit 0 (the state is what was wanted), but say so
+        print(f"gpuswap {a.action}: {job['nothing_done']}", file=sys.stderr)
+    _out(a, job, lambda j: None if j.get("nothing_done") else
+         print(f"job {j['id']}: {render.state_text(j)} — {j['reason']}"))
     return 0
 
 

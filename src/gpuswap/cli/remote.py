@@ -29,6 +29,8 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
     rv.set_defaults(func=lambda a: (out(a, client().request("DELETE", f"/v1/tokens/{a.id}").json(),
                                         lambda r: print(f"revoked token {r['revoked']}")), 0)[1])
 
+    tsub.metavar = "{" + ",".join(tsub.choices) + "}"   # "required: {create,ls,revoke}", not "token_verb"
+
     d = sub.add_parser("dashboard-url", help="create a token and print the web dashboard's URL with it")
     d.add_argument("--user", help="the user the token acts as (admins only)")
     d.add_argument("--note", default="dashboard")

@@ -8,6 +8,7 @@ Only literals written in this module carry markup.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from typing import Any
 
@@ -51,9 +52,9 @@ def state_text(j: dict[str, Any]) -> str:
     if j["state"] == "PAUSED":
         if j.get("stopped") and not j.get("parked"):
             return "PAUSED (SIGSTOP, GPU memory still held)"
-        where = {"ram": "RAM", "disk": "disk"}.get(j.get("parked") or "", "?")
+        where = {"ram": "in RAM", "disk": "on disk"}.get(j.get("parked") or "", "?")
         how = ", frozen by the driver" if j.get("mechanism") == "transparent" else ""
-        return f"PAUSED (parked in {where}, {format_size(j.get('parked_bytes') or 0)}{how})"
+        return f"PAUSED (parked {where}, {format_size(j.get('parked_bytes') or 0)}{how})"
     if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
         return f"{j['state']} ({j['exit_code']})"
     return j["state"]
@@ -103,7 +104,7 @@ def job_detail(j: dict[str, Any]) -> None:
         ("exit code", "-" if j.get("exit_code") is None else str(j["exit_code"])),
         ("service", f"{duration(j['run_s'])} running, {duration(j['switch_s'])} switching, "
                     f"{j['preemptions']} preemption(s)"),
-        ("command", " ".join(j["argv"])), ("cwd", j["cwd"]), ("log", j.get("log", "-")),
+        ("command", shlex.join(j["argv"])), ("cwd", j["cwd"]), ("log", j.get("log", "-")),
     ]
     t = Table(box=None, show_header=False, pad_edge=False)
     t.add_column(style="bold")

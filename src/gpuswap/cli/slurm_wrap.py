@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from gpuswap.runtime.slurm import DEFAULT_SIGNALS, parse_signals
+from gpuswap.runtime.slurm import DEFAULT_SIGNALS, ENV_SIGNALS, parse_signals
 
 EX_USAGE = 64
 EX_NOEXEC = 126
@@ -33,8 +33,8 @@ def register(sub: Any) -> None:
     """Add the `slurm-wrap` verb to the gpuswap command line."""
     s = sub.add_parser("slurm-wrap", help="run CMD under Slurm, forwarding preemption signals: "
                                           "gpuswap slurm-wrap [--signals USR2,TERM] -- CMD ...")
-    s.add_argument("--signals", default=os.environ.get("GPUSWAP_SLURM_SIGNALS", DEFAULT_SIGNALS),
-                   help=f"signals to forward (default {DEFAULT_SIGNALS}; 'none' for none)")
+    s.add_argument("--signals", help=f"signals to forward (default ${ENV_SIGNALS}, else {DEFAULT_SIGNALS}; "
+                                     "'none' for none)")
     s.add_argument("--park", action="store_true",
                    help="park the child's GPU memory transparently instead of forwarding, where the "
                         "CUDA checkpoint API is available (else forward)")
@@ -142,7 +142,8 @@ def cmd_slurm_wrap(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return EX_USAGE
     try:
-        signals = parse_signals(a.signals)
+        signals = (parse_signals(a.signals, "--signals") if a.signals is not None
+                   else parse_signals(os.environ.get(ENV_SIGNALS, DEFAULT_SIGNALS)))
     except ValueError as exc:
         print(f"gpuswap slurm-wrap: {exc}", file=sys.stderr)
         return EX_USAGE

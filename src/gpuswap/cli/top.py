@@ -42,8 +42,8 @@ def _where(j: dict[str, Any]) -> str:
     return "GPU" if j["state"] in ("RUNNING", "PAUSING", "RESUMING") else "-"
 
 
-def frame(o: dict[str, Any]) -> Group:
-    """One screenful from an overview record."""
+def frame(o: dict[str, Any], live: bool = True) -> Group:
+    """One screenful from an overview record (`live`: the interactive view, which `q` quits)."""
     # Names, users, reasons and commands are the users' own words: they go to rich as `Text`
     # (render.plain), never as markup, so "[/x]" cannot crash the view nor "[bold]" restyle it.
     head = Text.assemble(("gpuswap", "bold blue"), "  ",
@@ -66,7 +66,8 @@ def frame(o: dict[str, Any]) -> Group:
         reason = reason_text(j)
         jobs.add_row(plain(j["id"]), plain(j["name"] or "(other)"), plain(j["user"]), plain(j["priority"]),
                      plain(j["state"] + (" (held)" if j["held"] else ""), STATE_STYLE.get(j["state"], "")),
-                     plain(_where(j)), plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "-"),
+                     plain(_where(j)),
+                     plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"),
                      plain(duration(j["time_in_state_s"])), plain(reason))
     ram = o["ram"]
     ram_line = Table.grid(padding=(0, 1))
@@ -79,9 +80,9 @@ def frame(o: dict[str, Any]) -> Group:
     for u in o["fair_share"]:
         fair.add_row(plain(u["user"]), plain(f"{u['usage_gpu_s']:.1f}"), plain(f"{100 * u['share']:.1f}%"),
                      plain(u["gpus_now"]))
-    return Group(head, Panel(gpus, title="GPUs", title_align="left"), ram_line,
-                 Panel(jobs, title="jobs", title_align="left"),
-                 Panel(fair, title="fair share", title_align="left"), Text("q quits", style="bright_black"))
+    parts = [head, Panel(gpus, title="GPUs", title_align="left"), ram_line,
+             Panel(jobs, title="jobs", title_align="left"), Panel(fair, title="fair share", title_align="left")]
+    return Group(*parts, *([Text("q quits", style="bright_black")] if live else []))
 
 
 def unavailable(last: Group, err: ClientError, since: float) -> Group:
@@ -118,7 +119,7 @@ def run(a: argparse.Namespace, client: Callable[[], Any]) -> int:
     c = client()
     console = Console()
     if a.once or not console.is_terminal:
-        Console(width=console.width if console.is_terminal else 160).print(frame(c.get("/v1/overview")))
+        Console(width=console.width if console.is_terminal else 160).print(frame(c.get("/v1/overview"), live=False))
         return 0
     interval = max(0.2, a.interval)
     last = frame(c.get("/v1/overview"))   # no daemon before anything was shown: exit 69

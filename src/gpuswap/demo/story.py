@@ -1,4 +1,5 @@
-"""`gpuswap demo`: the product's story end to end, in a private temporary GPUSWAP_HOME.
+"""`gpuswap demo`: the product's story end to end, with its own daemon in a fresh directory
+(inside $GPUSWAP_HOME when that is set, else in the system's temporary directory).
 
 A long low-priority training job holds the GPU; an urgent job arrives; the long job is parked
 at its next safepoint, the urgent job runs, the long job resumes and finishes with parameters
@@ -21,6 +22,7 @@ from rich.markup import escape
 
 from gpuswap.api.client import Client, ClientError
 from gpuswap.cli.render import console, state_text
+from gpuswap.runtime.channel import ENV_HOME
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
@@ -83,7 +85,16 @@ class Watch:
 
 
 def run_demo(keep: bool = False, steps: int = 400) -> int:
-    home = Path(tempfile.mkdtemp(prefix="gpuswap-demo-"))
+    base = Path(os.environ[ENV_HOME]).expanduser() if os.environ.get(ENV_HOME) else None
+    try:   # the user chose where gpuswap state goes: a fresh directory there, beside any daemon's
+        if base is not None:
+            base.mkdir(parents=True, exist_ok=True)
+        home = Path(tempfile.mkdtemp(prefix="gpuswap-demo-", dir=base))
+    except OSError as e:
+        where = escape(str(base or tempfile.gettempdir()))
+        console.print(f"[red]demo failed:[/red] cannot make its directory in {where} ({ENV_HOME}): "
+                      f"{escape(e.strerror or str(e))}")
+        return 1
     ngpus = _real_gpu_count()
     simulate = None if ngpus else "1x80GiB"
     where = f"{ngpus} real GPU(s)" if ngpus else "1 SIMULATED GPU (no real GPU here; memory figures are the jobs' own)"
@@ -111,7 +122,6 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         time.sleep(2.0)   # past the daemon's 2 s minimum runtime
 
         console.print("3. an urgent job arrives")
-        t_urgent = time.monotonic()
         urgent_id = client.post("/v1/jobs", {
             "argv": [sys.executable, "-m", "gpuswap.demo.eval", "--seconds", "3"], "cwd": str(home),
             "env": env, "name": "urgent", "priority": "urgent", "gpus": 1})["id"]
@@ -122,13 +132,14 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         ev_urgent = client.get(f"/v1/jobs/{urgent_id}")["events"]
         ev_long = client.get(f"/v1/jobs/{long_id}")["events"]
         waited = _first(ev_urgent, "RUNNING") - _first(ev_urgent, "PENDING")
+        took = _first(ev_urgent, urgent["state"]) - _first(ev_urgent, "PENDING")   # submit -> end
         parked_for = _first(ev_long, "RESUMING") - _first(ev_long, "PAUSED")
         parked = [e["reason"] for e in ev_long if e["state"] == "PAUSED"]
         result = json.loads((home / "long.json").read_text())
         same = result["sha256"] == reference["sha256"]
         console.print("\n[bold]summary[/bold]")
         console.print(f"  urgent job waited {waited:.2f} s for a GPU (submit → running), "
-                      f"ended {urgent['state']} ({urgent['exit_code']}); {time.monotonic() - t_urgent:.1f} s in all")
+                      f"ended {urgent['state']} ({urgent['exit_code']}); {took:.1f} s in all")
         console.print(f"  long job parked for {parked_for:.2f} s — {parked[0] if parked else 'never parked'}")
         console.print(f"  long job ended {long_job['state']} after {long_job['preemptions']} preemption(s); "
                       f"final parameters {'EQUAL' if same else 'DIFFERENT'} to the uninterrupted run "

@@ -72,6 +72,13 @@ def check_options(opts: ServerOptions) -> None:
             SimulatedGpus.parse(opts.simulate_gpus)
         except ValueError as e:
             raise OptionError(str(e)) from None
+    if opts.listen is not None:
+        from gpuswap.node.listener import ListenError, parse_listen
+
+        try:   # an unreadable address is a usage error; one that cannot be bound (taken) is not
+            parse_listen(opts.listen)
+        except ListenError as e:
+            raise OptionError(str(e)) from None
 
 
 def socket_path(home: Path) -> Path:

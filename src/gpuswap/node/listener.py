@@ -3,7 +3,8 @@
 There is no kernel-checked peer on TCP, so every request must carry a bearer token (see
 api/tokens.py); the app is the very same object as on the Unix socket, so the authorization
 rules are too. We bind the socket ourselves, before anything else starts, so that a taken port or
-a bad address is one clear line and exit code 1 rather than a uvicorn traceback in a thread.
+a bad address is one clear line (exit code 1; 64 for one that cannot be read, see
+daemon.check_options) rather than a uvicorn traceback in a thread.
 """
 from __future__ import annotations
 

@@ -186,7 +186,8 @@ class Observer:
         elif job.abort_reason:
             self._end(job, now, state=JobState.FAILED, event=f"{job.abort_reason} ({_exit_text(code, sig)})", **common)
         elif job.cancel_requested:
-            self._end(job, now, state=JobState.CANCELLED, event=f"cancelled ({_exit_text(code, sig)})", **common)
+            self._end(job, now, state=JobState.CANCELLED, event=f"{_exit_text(code, sig)} after a cancel request",
+                      **common)
         elif code == 0:
             self._end(job, now, state=JobState.COMPLETED, event=f"exited with code 0{where}", **common)
         else:
@@ -213,6 +214,6 @@ def _exit_text(code: Any, sig: Any) -> str:
             name = signals.Signals(sig).name
         except ValueError:
             name = f"signal {sig}"
-        return f"killed by {name} (exit code {code})"
+        return f"killed by {name}"     # the exit code (128+N) is the record's, shown beside the state
     return f"exited with code {code}"
 

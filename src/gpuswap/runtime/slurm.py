@@ -68,8 +68,9 @@ def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | Non
     )
 
 
-def parse_signals(text: str) -> list[signal.Signals]:
-    """"USR2,TERM" / "SIGUSR2 15" -> signals; "none" or "" -> []."""
+def parse_signals(text: str, source: str = ENV_SIGNALS) -> list[signal.Signals]:
+    """"USR2,TERM" / "SIGUSR2 15" -> signals; "none" or "" -> []. `source` (where the text came
+    from) starts any error message."""
     out: list[signal.Signals] = []
     for word in text.replace(",", " ").split():
         if word.lower() == "none":
@@ -79,9 +80,9 @@ def parse_signals(text: str) -> list[signal.Signals]:
             sig = signal.Signals(int(name)) if name.isdigit() else \
                 signal.Signals[name if name.startswith("SIG") else "SIG" + name]
         except (KeyError, ValueError):
-            raise ValueError(f"{ENV_SIGNALS}: unknown signal {word!r}") from None
+            raise ValueError(f"{source}: unknown signal {word!r}") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"{ENV_SIGNALS}: {sig.name} cannot be caught")
+            raise ValueError(f"{source}: {sig.name} cannot be caught")
         if sig not in out:
             out.append(sig)
     return out

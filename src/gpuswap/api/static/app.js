@@ -48,13 +48,17 @@ function size(n) {
   return `${n.toFixed(n >= 10 || i === 0 ? 0 : 1)} ${u[i]}`;
 }
 
+// "45s", "3m 05s", "2h 10m", "7 days", "1 day 3h": the two largest units, a zero second one dropped.
 function dur(s) {
   if (s == null) return "-";
   s = Math.floor(s);
+  const two = (big, unit, small, sunit) =>
+    (small ? `${big}${unit} ${String(small).padStart(2, "0")}${sunit}` : `${big}${unit}`);
   if (s < 60) return `${s}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
-  if (s < 86400) return `${Math.floor(s / 3600)}h${String(Math.floor(s % 3600 / 60)).padStart(2, "0")}m`;
-  return `${Math.floor(s / 86400)}d${String(Math.floor(s % 86400 / 3600)).padStart(2, "0")}h`;
+  if (s < 3600) return two(Math.floor(s / 60), "m", s % 60, "s");
+  if (s < 86400) return two(Math.floor(s / 3600), "h", Math.floor(s % 3600 / 60), "m");
+  const d = Math.floor(s / 86400), hours = Math.floor(s % 86400 / 3600);
+  return `${d} day${d === 1 ? "" : "s"}${hours ? ` ${hours}h` : ""}`;
 }
 
 function token() { return sessionStorage.getItem(KEY); }
@@ -101,6 +105,13 @@ function where(j) {
   return "-";
 }
 
+// A parked job always shows its tier's size; a driver-frozen job on simulated GPUs (or one whose
+// footprint could not be measured) has none to show, which "size unknown" says instead of "-".
+function parkedSize(j) {
+  if (!j.tier) return "-";
+  return j.parked_bytes ? size(j.parked_bytes) : "size unknown";
+}
+
 function actionButtons(j) {
   if (!j.mine || ["COMPLETED", "FAILED", "CANCELLED"].includes(j.state)) return [];
   const button = (action, label) => h("button", { "data-action": action, "data-id": j.id }, label);
@@ -114,7 +125,7 @@ function actionButtons(j) {
 async function act(action, id) {
   try {
     const j = await api("POST", `/v1/jobs/${id}/${action}`, action === "pause" ? { to: "ram" } : {});
-    flash(`job ${id}: ${action} requested — now ${j.state}`, "ok");
+    flash(j.nothing_done ? `job ${id}: ${j.nothing_done}` : `job ${id}: ${action} requested — now ${j.state}`, "ok");
   } catch (e) {
     if (e.message !== "unauthenticated") flash(`cannot ${action} job ${id}: ${e.message}`, "action");
   }
@@ -130,7 +141,7 @@ document.addEventListener("click", (ev) => {
 function renderOverview(o) {
   $("#node").textContent = `${o.description} · policy ${o.policy}`;
   $("#sim").hidden = !o.simulated;
-  $("#who").replaceChildren(o.caller.user, o.caller.admin ? [" ", h("span", { class: "badge admin" }, "admin")] : []);
+  $("#who").replaceChildren(o.caller.user, ...(o.caller.admin ? [" ", h("span", { class: "badge admin" }, "admin")] : []));
   const byId = Object.fromEntries(o.jobs.map((j) => [j.id, j]));
   $("#gpus").replaceChildren(...o.gpus.map((g) => {
     const pct = g.mem_total ? Math.min(100, 100 * g.mem_used / g.mem_total) : 0;
@@ -158,7 +169,7 @@ function renderOverview(o) {
     return h("tr", { "data-job-id": j.id, class: fin ? "finished" : "" },
       h("td", {}, j.id), h("td", {}, name), h("td", { class: "owner" }, j.user), h("td", {}, j.priority),
       stateSpan(j.state, j.held ? " (held)" : "", "td"), h("td", { class: "where" }, where(j)),
-      h("td", {}, j.parked_bytes ? size(j.parked_bytes) : "-"),
+      h("td", { class: "parked" }, parkedSize(j)),
       h("td", {}, j.gpus, j.assigned_gpus.length ? ` [${j.assigned_gpus.join(",")}]` : ""),
       h("td", {}, dur(j.time_in_state_s)), h("td", { class: "reason" }, reason),
       h("td", { class: "actions" }, actionButtons(j)));
@@ -210,8 +221,20 @@ async function renderJob(id) {
 }
 
 // -- routing and polling -------------------------------------------------------------------
+// The fragment is "#/PATH" optionally followed by "&token=..." or "?token=..." (the link printed by
+// `gpuswap dashboard-url` is "#token=...", and a job link may carry one too): split it once here.
+function parseHash(hash) {
+  const body = hash.replace(/^#/, "");
+  const cut = body.search(/[&?]|(^|\/)token=/);
+  const path = cut < 0 ? body : body.slice(0, cut).replace(/\/$/, "");
+  const m = body.match(/(?:^|[&?\/])token=([^&?]*)/);
+  let token = null;
+  if (m) { try { token = decodeURIComponent(m[1]); } catch (_) { token = m[1]; } }   // a stray "%" is no crash
+  return { path: path.startsWith("/") ? path : `/${path}`, token };
+}
+
 function route() {
-  const m = location.hash.match(/^#\/job\/(\d+)/);
+  const m = parseHash(location.hash).path.match(/^\/job\/(\d+)\/?$/);
   return m ? { page: "job", id: m[1] } : { page: "overview" };
 }
 
@@ -243,10 +266,10 @@ function showLogin(msg) {
 }
 
 function start() {
-  const m = location.hash.match(/token=([^&]+)/);
-  if (m) {
-    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    history.replaceState(null, "", location.pathname + "#/");   // keep the secret out of history
+  const { path, token: t } = parseHash(location.hash);
+  if (t) {
+    sessionStorage.setItem(KEY, t);
+    history.replaceState(null, "", `${location.pathname}#${path}`);   // the secret out of history; the page kept
   }
   if (!token()) { showLogin(); return; }
   $("#login").hidden = true;

@@ -1,0 +1,141 @@
+"""Rough edges a new user hit (issue 11, items 5-8): each is the real CLI, and where it needs one, a
+real daemon with real jobs. Waits are on facts (a job's state, its event log), never on time."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sqlite3
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from gpuswap_testing import train_cmd
+
+
+def gpuswap(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The CLI with no daemon behind it (usage errors are found before any is needed)."""
+    return subprocess.run([sys.executable, "-m", "gpuswap.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or dict(os.environ))
+
+
+# -- 6: usage errors ----------------------------------------------------------------------------
+def test_empty_command_is_a_usage_error_in_cli_and_api(daemon):
+    r = daemon.cli("submit", "--", "")
+    assert r.returncode == 64, r
+    assert r.stderr.startswith("gpuswap submit: the command name is empty")
+    assert daemon.cli("submit", "--", " ", "arg").returncode == 64
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.home / "gpuswap.sock")),
+                      base_url="http://x") as c:
+        r = c.post("/v1/jobs", json={"argv": ["", "x"], "cwd": "/tmp"})
+        assert r.status_code == 422, r.text
+        assert "command name (argv[0]) is empty" in r.json()["detail"]
+    assert daemon.client.get("/v1/jobs") == []              # nothing was queued to fail later
+
+
+def test_unreadable_listen_address_is_a_usage_error(tmp_path):
+    env = dict(os.environ, GPUSWAP_HOME=str(tmp_path))
+    r = gpuswap("server", "--simulate-gpus", "1x1GiB", "--listen", "notanaddress", env=env)
+    assert r.returncode == 64, r
+    assert "cannot read --listen 'notanaddress'" in r.stderr
+    with socket.socket() as taken:          # a readable address that cannot be bound stays a failure (1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = gpuswap("server", "--simulate-gpus", "1x1GiB", "--listen", f"127.0.0.1:{port}", env=env)
+    assert r.returncode == 1, r
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+# -- 7: an action with nothing to do says so ------------------------------------------------------
+def test_resume_of_running_and_pause_of_paused_say_nothing_was_done(daemon, home):
+    job = daemon.submit(train_cmd(home / "out.json", steps=100000, step_time=0.01), name="long")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 1)   # at a safepoint
+    r = daemon.cli("resume", str(job))
+    assert r.returncode == 0, r
+    assert r.stderr.strip() == f"gpuswap resume: job {job} is already running; nothing to resume"
+    assert r.stdout == ""
+
+    assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    events = len(daemon.job(job)["events"])
+    r = daemon.cli("pause", str(job), "--to", "ram")
+    assert r.returncode == 0, r
+    assert r.stderr.strip() == f"gpuswap pause: job {job} is already paused (parked in RAM); nothing to do"
+    assert len(daemon.job(job)["events"]) == events          # and indeed nothing was recorded
+
+    assert daemon.cli("pause", str(job), "--to", "disk").returncode == 0   # a spill is not nothing
+    daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
+    assert "PAUSED (parked on disk" in daemon.cli("show", str(job)).stdout
+    r = daemon.cli("pause", str(job), "--to", "ram")
+    assert r.returncode == 0 and "already paused (parked on disk); nothing to do" in r.stderr, r
+
+    r = daemon.cli("resume", str(job))                        # a real resume prints the usual line
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith(f"job {job}: "), r
+    daemon.cli("cancel", str(job))
+
+
+# -- 8: messages ----------------------------------------------------------------------------------
+def test_usage_messages_name_the_verb_and_the_culprit():
+    r = gpuswap("submit", "--bogus", "--", "true")
+    assert r.returncode == 64 and r.stderr.strip() == "gpuswap submit: unrecognized arguments: --bogus", r
+    r = gpuswap("token")
+    assert r.returncode == 64, r
+    assert "token_verb" not in r.stderr and all(v in r.stderr for v in ("create", "ls", "revoke")), r
+    r = gpuswap()
+    assert r.returncode == 64 and "required: {server,submit," in r.stderr, r
+    r = gpuswap("show", "--", "-5")
+    assert r.returncode == 64 and "job id must be a positive integer" in r.stderr, r
+    assert "pydantic" not in r.stderr and "greater_than" not in r.stderr
+    assert gpuswap("cancel", "0").returncode == 64
+    env = {k: v for k, v in os.environ.items() if k != "GPUSWAP_SLURM_SIGNALS"}
+    r = gpuswap("slurm-wrap", "--signals", "FOO", "--", "true", env=env)
+    assert r.returncode == 64 and r.stderr.strip() == "gpuswap slurm-wrap: --signals: unknown signal 'FOO'", r
+    r = gpuswap("slurm-wrap", "--", "true", env=dict(env, GPUSWAP_SLURM_SIGNALS="BAR"))
+    assert r.returncode == 64 and "GPUSWAP_SLURM_SIGNALS: unknown signal 'BAR'" in r.stderr, r
+
+
+def test_unreachable_url_hint_is_about_the_url():
+    with socket.socket() as s:              # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = gpuswap("ls", env=dict(os.environ, GPUSWAP_URL=f"http://127.0.0.1:{port}", GPUSWAP_TOKEN="gst_x"))
+    assert r.returncode == 69, r
+    assert f"http://127.0.0.1:{port}" in r.stderr and "GPUSWAP_URL" in r.stderr
+    assert "GPUSWAP_HOME" not in r.stderr
+
+
+def test_cancelled_job_says_it_once_and_show_quotes_the_command(daemon):
+    job = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"], name="sleeper")
+    daemon.state(job, "RUNNING")
+    assert daemon.cli("cancel", str(job)).returncode == 0
+    j = daemon.state(job, "CANCELLED")
+    assert j["exit_code"] == 143 and j["reason"] == "killed by SIGTERM after a cancel request"
+    [row] = [line for line in daemon.cli("ls").stdout.splitlines() if line.split()[:1] == [str(job)]]
+    assert "CANCELLED (143)" in row and row.count("143") == 1 and "cancelled (" not in row, row
+    show = daemon.cli("show", str(job)).stdout
+    assert re.search(r"command\s+" + re.escape(f"{sys.executable} -c 'import time; time.sleep(600)'"), show), show
+
+
+def test_top_once_does_not_offer_a_key_it_does_not_read(daemon):
+    r = daemon.cli("top", "--once")
+    assert r.returncode == 0 and "fair share" in r.stdout, r
+    assert "q quits" not in r.stdout
+
+
+# -- 5: the demo ----------------------------------------------------------------------------------
+@pytest.mark.timeout(900)   # the whole demo: a reference run, a daemon, two jobs (minutes on a loaded machine)
+def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
+    base = home / "chosen"     # short: the daemon's Unix socket path is limited to 108 bytes
+    r = gpuswap("demo", "--steps", "200", "--keep", env=dict(os.environ, GPUSWAP_HOME=str(base)), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [home] = list(base.glob("gpuswap-demo-*"))               # its state went where the user asked
+    assert (home / "state.db").exists() and str(home) in r.stdout
+    # "N s in all" is the urgent job's own submit-to-end time, from its event log.
+    said = float(re.search(r"; ([\d.]+) s in all", r.stdout).group(1))
+    with sqlite3.connect(home / "state.db") as db:
+        [urgent] = [i for (i,) in db.execute("SELECT id FROM jobs WHERE name = 'urgent'")]
+        times = dict(db.execute("SELECT state, min(time) FROM events WHERE job_id = ? GROUP BY state", (urgent,)))
+    assert abs(said - (times["COMPLETED"] - times["PENDING"])) <= 0.051, (said, times)
