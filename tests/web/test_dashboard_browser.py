@@ -10,40 +10,23 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from webtools import Web, start_web
+from webtools import CHROMIUM, Web, start_web, why_no_browser
 
-CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
 
-def _ensure_chromium() -> None:
-    if os.path.exists(CHROMIUM):
-        return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"BROWSER TESTS NOT RUN: {CHROMIUM} is missing and apt-get cannot install it here "
-                    "(run `apt-get install -y chromium` as root)")
-    r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"], capture_output=True,
-                       text=True, timeout=900, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-    if r.returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
-        r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
-                           capture_output=True, text=True, timeout=900,
-                           env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-    assert r.returncode == 0 and os.path.exists(CHROMIUM), f"installing chromium failed:\n{r.stdout}\n{r.stderr}"
-
-
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
-    _ensure_chromium()
+    why = why_no_browser(CHROMIUM)
+    if why:
+        pytest.skip(f"BROWSER TESTS NOT RUN: {why}")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -82,7 +65,6 @@ class Page:
         return path
 
 
-@pytest.mark.timeout(900)   # the first run may install chromium with apt (a minute or two)
 def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home, tmp_path):
     from playwright.sync_api import expect
 
