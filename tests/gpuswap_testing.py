@@ -94,6 +94,44 @@ class Daemon:
         return self.until(job_id, lambda j: j["state"] in states, timeout)
 
 
+HELD_TRAIN = Path(__file__).resolve().parent / "held_train.py"
+
+_HOLD = """import os, sys, time
+deadline = time.monotonic() + 600
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+class Gate:
+    """A file the test creates to let its jobs go. A job made by `hold` or `train` cannot end before
+    the test opens the gate, so the test's next call can never miss the state the job is in
+    (an urgent job still RUNNING, its victim still PAUSED), however loaded the machine. Jobs give up
+    waiting after 600 s, so a failed test leaves nothing behind that waits forever."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def hold(self, then: str = "", before: str = "") -> list[str]:
+        """A Python job that runs `before`, waits for the gate, then runs `then` (e.g. "print('eval ok')")."""
+        return [sys.executable, "-c", before + "\n" + _HOLD + then, str(self.path)]
+
+    def train(self, out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64,
+              hold_at: Optional[int] = None) -> list[str]:
+        """`train_cmd`, held at its safepoint from step `hold_at` (default steps - 2) until the gate
+        opens: same final parameters, but it cannot complete before the test lets it."""
+        held = steps - 2 if hold_at is None else hold_at
+        return [sys.executable, str(HELD_TRAIN), str(self.path), str(held)] + train_cmd(out, steps, step_time, hidden)[3:]
+
+    def sh(self) -> list[str]:
+        """The same wait in sh, for jobs of users who cannot run this interpreter (e.g. nobody)."""
+        return ["sh", "-c", 'i=0; while [ ! -e "$1" ] && [ $i -lt 12000 ]; do sleep 0.05; i=$((i+1)); done',
+                "gate", str(self.path)]
+
+    def open(self) -> None:
+        self.path.touch()
+
+
 def train_cmd(out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64) -> list[str]:
     return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
             "--out", str(out), "--hidden", str(hidden)]

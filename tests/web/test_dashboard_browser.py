@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import pytest
 from webtools import CHROMIUM, Web, start_web, why_no_browser
 
+from gpuswap_testing import Gate
+
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
@@ -33,11 +35,6 @@ def browser() -> Iterator[Any]:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         yield b
         b.close()
-
-
-def train(out: Path, steps: int, step_time: float) -> list[str]:
-    return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
-            "--out", str(out)]
 
 
 class Page:
@@ -72,7 +69,10 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    long_id = d.submit(train(home / "long.json", 4000, 0.02), name="long-train", priority="low", mem="20GiB")
+    # The long job holds at its last steps until cancelled (it must still be there at the end, however
+    # slow the browser steps are); the urgent job keeps the GPU until the page has shown it there.
+    long_id = d.submit(Gate(home / "never").train(home / "long.json", 4000, 0.02), name="long-train",
+                       priority="low", mem="20GiB")
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
 
     root = Page(browser, web, web.token(), shots, "root")
@@ -86,8 +86,8 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     root.shot("long-job-running")
 
     # An urgent job arrives: the page shows the long job parked in RAM and the urgent one on the GPU.
-    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(4); print('eval ok')"],
-                      name="urgent-eval", priority="urgent")
+    urgent_gate = Gate(home / "urgent.go")
+    urgent = d.submit(urgent_gate.hold("print('eval ok')"), name="urgent-eval", priority="urgent")
     root.expect_state(long_id, "PAUSED")
     expect(root.row(long_id).locator(".where")).to_have_text("parked in RAM")
     expect(root.row(urgent)).to_contain_text("urgent")
@@ -96,6 +96,7 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     reason = root.row(long_id).locator(".reason .code")
     expect(reason).to_have_text("Resources")
     root.shot("urgent-preempted-long")
+    urgent_gate.open()
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.
     root.expect_state(urgent, "COMPLETED")
@@ -189,7 +190,7 @@ def test_dashboard_shows_user_text_as_text_and_runs_none_of_it(browser, make_dae
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    job = d.submit([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(60)",
+    job = d.submit([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(300)",
                     XSS_ARG], name=XSS_NAME)
     d.until(job, lambda j: j["state"] == "RUNNING")
     pg = Page(browser, web, web.token(), shots, "xss")
@@ -239,7 +240,7 @@ def test_dashboard_refused_pause_shows_the_reason(browser, make_daemon, tmp_path
     shots.mkdir()
     # No gpuswap runtime and cooperative parking only: the first pause times out and leaves it
     # running, after which every pause is refused.
-    job = d.submit(["sleep", "60"], name="no-runtime", pause_mode="cooperative")
+    job = d.submit(["sleep", "300"], name="no-runtime", pause_mode="cooperative")   # cancelled at the end
     d.state(job, "RUNNING")
     pg = Page(browser, web, web.token(), shots, "refused")
     p = pg.page

@@ -1,6 +1,7 @@
-"""A test run never installs anything: where the Slurm or browser tests' tools are absent, the
-check says which and how to get them (tests/setup-system.sh), and runs no program to find out.
-Absence is simulated by looking in an empty directory, not by uninstalling."""
+"""How the suite sets itself up. A test run never installs anything: where the Slurm or browser
+tests' tools are absent, the check says which and how to get them (tests/setup-system.sh), and
+runs no program to find out (absence is simulated by looking in an empty directory, not by
+uninstalling). And `-n auto` picks a worker count that fits the machine."""
 from __future__ import annotations
 
 import subprocess
@@ -56,3 +57,13 @@ def test_no_test_module_runs_an_installer():
     offenders = [str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py") if p != Path(__file__).resolve()
                  and any(word in p.read_text() for word in installers)]
     assert not offenders, offenders
+
+
+def test_worker_count_fits_the_machine():
+    from conftest import auto_workers
+
+    assert auto_workers(2, 0.0) == 3          # an idle 2-core machine
+    assert auto_workers(2, 2.0) == 2          # two CPU hogs already there: the floor
+    assert auto_workers(2, 9.0) == 2
+    assert auto_workers(4, 1.0) == 4
+    assert auto_workers(64, 0.0) == 8         # the ceiling
