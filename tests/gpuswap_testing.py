@@ -15,6 +15,16 @@ from gpuswap.api.client import Client, ClientError
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
+def auto_workers(cores: int, load: float) -> int:
+    """xdist workers for `cores` usable cores with `load` (1-minute load average) already on them.
+    A test mostly waits on its daemon and jobs (a CLI call or a training step is short CPU work),
+    so 1.5 workers per idle core keep the cores busy without queueing every process behind the
+    others; the cores other work already uses are not counted. At least 2 (the slowest files run
+    side by side), at most 8 (beyond that the daemons' start-up and the xdist overhead dominate)."""
+    free = max(0.0, cores - load)
+    return max(2, min(8, round(1.5 * free)))
+
+
 def has_gpu() -> bool:
     try:
         import pynvml
@@ -66,7 +76,10 @@ class Daemon:
                 self.proc.wait()
 
     def cli(self, *args: str, user: Optional[int] = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        """The real `gpuswap` CLI in a subprocess (optionally as another uid)."""
+        """The real `gpuswap` CLI in a subprocess (optionally as another uid). GS_TEST_SLOW_CLI=S
+        makes every call start S seconds late, as on a loaded machine: a test that depends on a
+        window of seconds fails then (e.g. GS_TEST_SLOW_CLI=4 pytest tests/node)."""
+        time.sleep(float(os.environ.get("GS_TEST_SLOW_CLI", "0")))
         kw: dict[str, Any] = {}
         if user is not None:
             kw.update(user=user, group=user, extra_groups=[], cwd="/tmp")

@@ -60,7 +60,7 @@ def test_no_test_module_runs_an_installer():
 
 
 def test_worker_count_fits_the_machine():
-    from conftest import auto_workers
+    from gpuswap_testing import auto_workers
 
     assert auto_workers(2, 0.0) == 3          # an idle 2-core machine
     assert auto_workers(2, 2.0) == 2          # two CPU hogs already there: the floor
