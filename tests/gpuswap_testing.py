@@ -51,7 +51,9 @@ class Daemon:
         log = open(self.home / "daemon.out", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", *self.args],
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+        # A deadline that only catches a daemon that never answers (a daemon that dies fails at
+        # once): at load 17 on 2 cores its start-up alone took over 30 s.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.home / "daemon.out").read_text()
             try:
@@ -93,7 +95,7 @@ class Daemon:
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.get(f"/v1/jobs/{job_id}")
 
-    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
+    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 120) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             j = self.job(job_id)
@@ -103,7 +105,7 @@ class Daemon:
                 raise AssertionError(f"job {job_id} stuck: {json.dumps(j, indent=1)}")
             time.sleep(0.1)
 
-    def state(self, job_id: int, *states: str, timeout: float = 60) -> dict[str, Any]:
+    def state(self, job_id: int, *states: str, timeout: float = 120) -> dict[str, Any]:
         return self.until(job_id, lambda j: j["state"] in states, timeout)
 
 
