@@ -11,7 +11,12 @@ from typing import Any, Callable
 
 import pytest
 
-from gpuswap_testing import Daemon, has_gpu, train_cmd
+from gpuswap_testing import Daemon, auto_workers, has_gpu, train_cmd
+
+
+def pytest_xdist_auto_num_workers(config: Any) -> int:
+    """`-n auto` (pyproject's addopts): the worker count fits this machine as it is now."""
+    return auto_workers(len(os.sched_getaffinity(0)), os.getloadavg()[0])
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

@@ -15,6 +15,16 @@ from gpuswap.api.client import Client, ClientError
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
+def auto_workers(cores: int, load: float) -> int:
+    """xdist workers for `cores` usable cores with `load` (1-minute load average) already on them.
+    A test mostly waits on its daemon and jobs (a CLI call or a training step is short CPU work),
+    so 1.5 workers per idle core keep the cores busy without queueing every process behind the
+    others; the cores other work already uses are not counted. At least 2 (the slowest files run
+    side by side), at most 8 (beyond that the daemons' start-up and the xdist overhead dominate)."""
+    free = max(0.0, cores - load)
+    return max(2, min(8, round(1.5 * free)))
+
+
 def has_gpu() -> bool:
     try:
         import pynvml
@@ -41,7 +51,9 @@ class Daemon:
         log = open(self.home / "daemon.out", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", *self.args],
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+        # A deadline that only catches a daemon that never answers (a daemon that dies fails at
+        # once): at load 17 on 2 cores its start-up alone took over 30 s.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.home / "daemon.out").read_text()
             try:
@@ -66,7 +78,10 @@ class Daemon:
                 self.proc.wait()
 
     def cli(self, *args: str, user: Optional[int] = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        """The real `gpuswap` CLI in a subprocess (optionally as another uid)."""
+        """The real `gpuswap` CLI in a subprocess (optionally as another uid). GS_TEST_SLOW_CLI=S
+        makes every call start S seconds late, as on a loaded machine: a test that depends on a
+        window of seconds fails then (e.g. GS_TEST_SLOW_CLI=4 pytest tests/node)."""
+        time.sleep(float(os.environ.get("GS_TEST_SLOW_CLI", "0")))
         kw: dict[str, Any] = {}
         if user is not None:
             kw.update(user=user, group=user, extra_groups=[], cwd="/tmp")
@@ -80,7 +95,7 @@ class Daemon:
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.get(f"/v1/jobs/{job_id}")
 
-    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 60,
+    def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 120,
               get: Optional[str] = None) -> dict[str, Any]:
         """Poll job `job_id` (or the record at path `get`) until `pred` holds."""
         deadline = time.monotonic() + timeout
@@ -92,8 +107,46 @@ class Daemon:
                 raise AssertionError(f"job {job_id} stuck: {json.dumps(j, indent=1)}")
             time.sleep(0.1)
 
-    def state(self, job_id: int, *states: str, timeout: float = 60) -> dict[str, Any]:
+    def state(self, job_id: int, *states: str, timeout: float = 120) -> dict[str, Any]:
         return self.until(job_id, lambda j: j["state"] in states, timeout)
+
+
+HELD_TRAIN = Path(__file__).resolve().parent / "held_train.py"
+
+_HOLD = """import os, sys, time
+deadline = time.monotonic() + 600
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+class Gate:
+    """A file the test creates to let its jobs go. A job made by `hold` or `train` cannot end before
+    the test opens the gate, so the test's next call can never miss the state the job is in
+    (an urgent job still RUNNING, its victim still PAUSED), however loaded the machine. Jobs give up
+    waiting after 600 s, so a failed test leaves nothing behind that waits forever."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def hold(self, then: str = "", before: str = "") -> list[str]:
+        """A Python job that runs `before`, waits for the gate, then runs `then` (e.g. "print('eval ok')")."""
+        return [sys.executable, "-c", before + "\n" + _HOLD + then, str(self.path)]
+
+    def train(self, out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64,
+              hold_at: Optional[int] = None) -> list[str]:
+        """`train_cmd`, held at its safepoint from step `hold_at` (default steps - 2) until the gate
+        opens: same final parameters, but it cannot complete before the test lets it."""
+        held = steps - 2 if hold_at is None else hold_at
+        return [sys.executable, str(HELD_TRAIN), str(self.path), str(held)] + train_cmd(out, steps, step_time, hidden)[3:]
+
+    def sh(self) -> list[str]:
+        """The same wait in sh, for jobs of users who cannot run this interpreter (e.g. nobody)."""
+        return ["sh", "-c", 'i=0; while [ ! -e "$1" ] && [ $i -lt 12000 ]; do sleep 0.05; i=$((i+1)); done',
+                "gate", str(self.path)]
+
+    def open(self) -> None:
+        self.path.touch()
 
 
 def train_cmd(out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64) -> list[str]:

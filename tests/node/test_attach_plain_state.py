@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 
+# argv: steps, step time, and optionally a gate file: the job holds at its safepoints from step
+# steps - 2 on until the test creates it (so it cannot end before the test's pause reaches it).
 SCRIPT = """
-import json, sys, time, gpuswap
+import json, os, sys, time, gpuswap
 job = gpuswap.attach(epoch=3, tag="run-a")
 print("START", json.dumps({"step": job.start_step, "epoch": job.state["epoch"], "tag": job.state["tag"]}),
       flush=True)
@@ -20,6 +22,9 @@ for step in range(job.start_step, int(sys.argv[1])):
     job.state["epoch"] = 100 + step
     time.sleep(float(sys.argv[2]))
     job.safepoint(step)
+    while len(sys.argv) > 3 and step >= int(sys.argv[1]) - 2 and not os.path.exists(sys.argv[3]):
+        time.sleep(0.02)
+        job.safepoint(step)
 print("END", job.state["epoch"], flush=True)
 """
 
@@ -34,11 +39,13 @@ def test_plain_values_inside_and_outside_and_restored_from_disk(daemon):
                              text=True, timeout=60)
     assert outside.returncode == 0, outside.stderr
 
-    job = daemon.submit([sys.executable, "-c", SCRIPT, "40", "0.1"], name="plain")
+    gate = daemon.home / "go"
+    job = daemon.submit([sys.executable, "-c", SCRIPT, "40", "0.1", str(gate)], name="plain")
     daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and (j["step"] or 0) >= 5)
     assert daemon.cli("pause", str(job), "--to", "disk").returncode == 0
     parked = daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
     assert daemon.cli("resume", str(job)).returncode == 0
+    gate.touch()
     daemon.state(job, "COMPLETED", timeout=60)
     log = daemon.cli("logs", str(job)).stdout
 

@@ -14,7 +14,7 @@ from gpuswap.node.bandwidth import (PINNED_CALIBRATION_BYTES, Bandwidths, CudaUn
                                     pinned_copy_bandwidth)
 from gpuswap.node.store import Store
 from gpuswap.policy.model import SwitchCosts
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate
 
 
 class CUresult(enum.Enum):
@@ -159,7 +159,8 @@ def test_disk_restore_teaches_read_bandwidth_and_a_restart_keeps_it(make_daemon,
     """A real disk park and restore (a ~24 MB checkpoint): the job's runtime times the restore,
     the daemon folds it into disk_read_bps, says so in the event, and remembers it after a restart."""
     d = make_daemon()
-    job = d.submit(train_cmd(home / "r.json", 400, 0.02, hidden=1400), name="r")
+    gate = Gate(home / "go")     # never opened: the job is cancelled, it must not end before that
+    job = d.submit(gate.train(home / "r.json", 400, 0.02, hidden=1400), name="r")
     d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and (j["step"] or 0) >= 3)
     assert d.cli("pause", str(job), "--to", "disk").returncode == 0
     d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")

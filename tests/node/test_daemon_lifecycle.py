@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from gpuswap.api.client import ClientError
+from gpuswap_testing import Gate
 
 
 def test_submit_wait_exit_code_and_logs(daemon):
@@ -103,12 +104,26 @@ def test_one_daemon_per_home(daemon):
     assert daemon.client.get("/v1/health")["ok"]
 
 
-def test_logs_follow_streams_until_the_job_ends(daemon):
-    job = daemon.submit(["sh", "-c", "for i in 1 2 3 4 5; do echo line-$i; sleep 0.3; done"])
+def test_logs_follow_streams_until_the_job_ends(daemon, home):
+    """`logs -f` shows lines of a job that is still running (the job holds until the test has read
+    them from the follower), then the rest, and exits when the job ends."""
+    gate = Gate(home / "go")
+    job = daemon.submit(gate.hold(before="print('line-1', flush=True); print('line-2', flush=True)",
+                                  then="for i in (3, 4, 5): print(f'line-{i}', flush=True)"))
     daemon.state(job, "RUNNING")
-    r = daemon.cli("logs", str(job), "-f", timeout=30)
-    assert r.returncode == 0
-    assert [l for l in r.stdout.split() if l.startswith("line-")] == [f"line-{i}" for i in range(1, 6)]
+    follow = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "logs", str(job), "-f"],
+                              env=daemon.env, stdout=subprocess.PIPE, text=True)
+    early = []
+    while "line-2" not in "".join(early):
+        line = follow.stdout.readline()
+        assert line, f"logs -f ended before the job did: {early}"
+        early.append(line)
+    assert daemon.job(job)["state"] == "RUNNING"
+    gate.open()
+    rest, _ = follow.communicate(timeout=60)
+    assert follow.returncode == 0
+    lines = [l for l in ("".join(early) + rest).split() if l.startswith("line-")]
+    assert lines == [f"line-{i}" for i in range(1, 6)]
     assert daemon.job(job)["state"] == "COMPLETED"
 
 

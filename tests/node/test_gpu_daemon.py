@@ -3,11 +3,10 @@ released while parked, and it resumes bitwise-exactly; an unmodified job is froz
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate, train_cmd
 
 pytestmark = pytest.mark.gpu
 
@@ -40,9 +39,11 @@ def test_cuda_job_parked_in_ram_releases_memory_and_resumes_exactly(make_daemon,
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) > 10, timeout=120)
     pid = _job_pid(home, long_id)
     before = _used_by(pid)
-    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(5)"], name="urgent", priority="urgent")
+    gate = Gate(home / "urgent.go")      # the urgent job holds the GPU until NVML has been read
+    urgent = d.submit(gate.hold(), name="urgent", priority="urgent")
     d.until(long_id, lambda j: j["state"] == "PAUSED", timeout=120)
     during = _used_by(pid)
+    gate.open()
     assert d.cli("wait", str(urgent)).returncode == 0
     d.state(long_id, "COMPLETED", timeout=300)
     print(f"NVML: {before / 2**20:.0f} MiB before park, {during / 2**20:.0f} MiB while parked")

@@ -5,6 +5,8 @@ import json
 import sys
 import time
 
+from gpuswap_testing import Gate
+
 
 def test_wait_fallback_keeps_job_running_and_reports_it(make_daemon):
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--pause-timeout", "2")
@@ -77,7 +79,7 @@ def test_attached_but_slow_job_is_not_preempted_again_after_a_timeout(make_daemo
     d.state(urgent, "COMPLETED", timeout=20)
 
 
-def test_sigstop_fallback_lends_the_gpu_to_a_job_that_fits_beside_the_kept_memory(make_daemon):
+def test_sigstop_fallback_lends_the_gpu_to_a_job_that_fits_beside_the_kept_memory(make_daemon, home):
     """The point of --no-runtime sigstop: the stopped job keeps its GPU memory, and a job whose
     declared footprint fits in what is left computes on that GPU meanwhile; when it ends, the
     stopped job continues."""
@@ -85,11 +87,13 @@ def test_sigstop_fallback_lends_the_gpu_to_a_job_that_fits_beside_the_kept_memor
                     "--no-runtime", "sigstop")
     plain = d.submit(["sleep", "60"], name="plain", priority="low", mem="10GiB", pause_mode="cooperative")
     d.state(plain, "RUNNING")
-    urgent = d.submit(["sleep", "2"], name="urgent", priority="urgent", mem="20GiB")
+    gate = Gate(home / "urgent.go")       # RUNNING cannot be missed: it ends when the test says
+    urgent = d.submit(gate.hold(), name="urgent", priority="urgent", mem="20GiB")
     u = d.state(urgent, "RUNNING", timeout=30)
     assert "beside a stopped job's memory" in u["events"][-1]["reason"]
     j = d.job(plain)
     assert j["state"] == "PAUSED" and j["parked"] is None and j["parked_bytes"] == 0
+    gate.open()
     d.state(urgent, "COMPLETED", timeout=30)
     j = d.until(plain, lambda j: j["state"] == "RUNNING", timeout=30)
     assert "continued (SIGCONT)" in j["events"][-1]["reason"] and j["preemptions"] == 1

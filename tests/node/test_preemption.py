@@ -2,21 +2,25 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate, train_cmd
 
 
 def test_urgent_preempts_low_ram_park_and_exact_resume(daemon, home, reference_hashes):
     steps = 150
-    long_id = daemon.submit(train_cmd(home / "long.json", steps), name="long", priority="low", mem="20GiB")
+    # Both jobs hold until the test lets them go: the long one cannot finish before it is
+    # preempted, and the urgent one keeps it PAUSED until `ls` has shown it so.
+    long_gate, urgent_gate = Gate(home / "long.go"), Gate(home / "urgent.go")
+    long_id = daemon.submit(long_gate.train(home / "long.json", steps), name="long", priority="low", mem="20GiB")
     daemon.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 20)
-    urgent = daemon.submit([sys.executable, "-c", "import time; time.sleep(3); print('eval ok')"], name="urgent", priority="urgent")
+    urgent = daemon.submit(urgent_gate.hold("print('eval ok')"), name="urgent", priority="urgent")
     parked = daemon.until(long_id, lambda j: j["state"] == "PAUSED")
     assert parked["parked"] == "ram" and parked["parked_bytes"] > 0
+    long_gate.open()
     ls = daemon.cli("ls").stdout
     assert "PAUSED (parked in RAM" in ls
+    urgent_gate.open()
     w = daemon.cli("wait", str(urgent))
     assert w.returncode == 0
     done = daemon.state(long_id, "COMPLETED", timeout=120)
@@ -57,15 +61,17 @@ def test_no_preempt_flag_and_equal_priority_wait(daemon, home):
 
 def test_manual_pause_disk_and_ram_many_times_is_exact(daemon, home, reference_hashes):
     steps = 300
-    job = daemon.submit(train_cmd(home / "m.json", steps, 0.03), name="m", priority="normal")
+    gate = Gate(home / "m.go")     # the job cannot finish before its fourth pause, however slow the CLI
+    job = daemon.submit(gate.train(home / "m.json", steps, 0.03), name="m", priority="normal")
     for tier in ["ram", "disk", "ram", "disk"]:
         daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
-        time.sleep(0.3)
+        time.sleep(0.3)            # some steps between parks (a lower bound, not a window)
         r = daemon.cli("pause", str(job), "--to", tier)
         assert r.returncode == 0, r.stderr
         j = daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == tier)
         assert j["parked_bytes"] > 0
         assert daemon.cli("resume", str(job)).returncode == 0
+    gate.open()
     done = daemon.state(job, "COMPLETED", timeout=120)
     reasons = " | ".join(e["reason"] for e in done["events"])
     assert reasons.count("parked to disk") == 2 and reasons.count("parked in RAM") == 2
@@ -75,9 +81,11 @@ def test_manual_pause_disk_and_ram_many_times_is_exact(daemon, home, reference_h
 
 def test_policy_is_selectable_fifo_never_preempts(make_daemon, home):
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--policy", "fifo")
-    long_id = d.submit(train_cmd(home / "l.json", 60, 0.05), name="long", priority="low")
+    gate = Gate(home / "long.go")     # RUNNING cannot be missed: the long job ends when the test says
+    long_id = d.submit(gate.train(home / "l.json", 60, 0.05), name="long", priority="low")
     d.state(long_id, "RUNNING")
     urgent = d.submit(["true"], name="urgent", priority="urgent")
+    gate.open()
     d.state(long_id, "COMPLETED", timeout=60)
     j = d.state(urgent, "COMPLETED", timeout=60)
     assert d.job(long_id)["preemptions"] == 0

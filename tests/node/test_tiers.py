@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 from gpuswap.node.store import Store
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate
 
 
 def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daemon, home, reference_hashes):
@@ -27,18 +26,34 @@ def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daem
     store.close()
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--ram-budget", "24MiB")
     steps, hidden = 250, 1024
-    lows = [d.submit(train_cmd(home / f"low{i}.json", steps, 0.02, hidden), name=f"low{i}", priority="low")
+    # Every job holds until the test lets it go: neither low job can finish before it is parked,
+    # and both urgent jobs keep their GPUs until both lows are parked.
+    low_gate, urgent_gate = Gate(home / "low.go"), Gate(home / "urgent.go")
+    lows = [d.submit(low_gate.train(home / f"low{i}.json", steps, 0.02, hidden), name=f"low{i}", priority="low")
             for i in range(2)]
     for low in lows:
         d.until(low, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) > 5)
-    urgents = [d.submit([sys.executable, "-c", "import time; time.sleep(6)"], name="u0", priority="urgent")]
+    urgents = [d.submit(urgent_gate.hold(), name="u0", priority="urgent")]
     d.until(lows[0], lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")  # only a parked job spills
-    urgents.append(d.submit([sys.executable, "-c", "import time; time.sleep(4)"], name="u1", priority="urgent"))
+    urgents.append(d.submit(urgent_gate.hold(), name="u1", priority="urgent"))
     peak = 0
-    while d.job(urgents[0])["state"] != "COMPLETED" or d.job(urgents[1])["state"] != "COMPLETED":
+
+    def sample() -> None:
+        nonlocal peak
         gpus = d.client.get("/v1/gpus")
         peak = max(peak, gpus["ram_parked"])
         assert gpus["ram_parked"] <= gpus["ram_budget"]
+
+    deadline = time.monotonic() + 120
+    while not all(d.job(low)["state"] == "PAUSED" for low in lows):
+        assert time.monotonic() < deadline, [d.job(low) for low in lows]
+        sample()
+    sample()
+    low_gate.open()
+    urgent_gate.open()
+    while d.job(urgents[0])["state"] != "COMPLETED" or d.job(urgents[1])["state"] != "COMPLETED":
+        assert time.monotonic() < deadline + 120
+        sample()
     tiers, reasons = set(), []
     for low in lows:
         j = d.state(low, "COMPLETED", timeout=120)
@@ -52,7 +67,8 @@ def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daem
 
 def test_spill_from_ram_to_disk_and_resume_exactly(daemon, home, reference_hashes):
     steps = 200
-    job = daemon.submit(train_cmd(home / "s.json", steps, 0.03), name="s")
+    gate = Gate(home / "s.go")       # it cannot finish before the test's three CLI calls
+    job = daemon.submit(gate.train(home / "s.json", steps, 0.03), name="s")
     daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
     assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
     daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
@@ -60,6 +76,7 @@ def test_spill_from_ram_to_disk_and_resume_exactly(daemon, home, reference_hashe
     daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
     assert daemon.client.get("/v1/gpus")["ram_parked"] == 0
     assert daemon.cli("resume", str(job)).returncode == 0
+    gate.open()
     done = daemon.state(job, "COMPLETED", timeout=120)
     reasons = [e["reason"] for e in done["events"]]
     assert any(r.startswith("spill to disk requested") for r in reasons)
@@ -71,16 +88,21 @@ def test_lowered_budget_makes_the_policy_spill_a_ram_parked_job(make_daemon, hom
     """An admin restarts the daemon with a smaller budget: what no longer fits is spilled to disk."""
     steps, hidden = 250, 1024
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0")
-    low = d.submit(train_cmd(home / "low.json", steps, 0.02, hidden), name="low", priority="low")
+    # The urgent job keeps the GPU until the restarted daemon has spilled the low one (it used to
+    # sleep 8 s: a slow restart let it end first and the low job resumed from RAM instead).
+    low_gate, urgent_gate = Gate(home / "low.go"), Gate(home / "urgent.go")
+    low = d.submit(low_gate.train(home / "low.json", steps, 0.02, hidden), name="low", priority="low")
     d.until(low, lambda j: j["state"] == "RUNNING" and (j["device_bytes"] or 0) > 10 * 2**20)
-    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(8)"], name="urgent", priority="urgent")
+    urgent = d.submit(urgent_gate.hold(), name="urgent", priority="urgent")
     d.until(low, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    low_gate.open()
     d.stop()
     d.args = ["--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "1",
               "--ram-budget", "1MiB"]
     d.start()
     j = d.until(low, lambda j: j["parked"] == "disk" or j["state"] == "COMPLETED", timeout=60)
     assert j["parked"] == "disk" and d.client.get("/v1/gpus")["ram_parked"] == 0
+    urgent_gate.open()
     d.state(urgent, "COMPLETED", timeout=60)
     d.state(low, "COMPLETED", timeout=120)
     assert json.loads((home / "low.json").read_text())["sha256"] == reference_hashes(steps, hidden)

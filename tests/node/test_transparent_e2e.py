@@ -8,19 +8,31 @@ import os
 import signal
 import sys
 
-COUNTER = "import time\nfor i in range(1, {n} + 1):\n    print(i, flush=True)\n    time.sleep({dt})\n"
+from gpuswap_testing import Gate
+
+COUNTER = """import os, time
+for i in range(1, {n} + 1):
+    while i == {n} and {gate!r} and not os.path.exists({gate!r}):   # held before its last line
+        time.sleep(0.05)
+    print(i, flush=True)
+    time.sleep({dt})
+"""
 
 
-def counter(home, n=300, dt=0.02):
+def counter(home, n=300, dt=0.02, gate=None):
+    """Prints 1..n; with a gate, it prints n only once the test has opened it (cannot end first)."""
     script = home / "counter.py"
-    script.write_text(COUNTER.format(n=n, dt=dt))
+    script.write_text(COUNTER.format(n=n, dt=dt, gate=str(gate.path) if gate else ""))
     return [sys.executable, str(script)]
 
 
 def test_unmodified_job_is_frozen_and_thawed(daemon, home):
-    plain = daemon.submit(counter(home), name="plain", priority="low", mem="4GiB")
+    # Both hold until the test lets them go: the counter cannot end before it is frozen, and the
+    # urgent job keeps its GPU until `ls` has shown the counter frozen.
+    gate = Gate(home / "go")
+    plain = daemon.submit(counter(home, gate=gate), name="plain", priority="low", mem="4GiB")
     daemon.state(plain, "RUNNING")
-    urgent = daemon.submit([sys.executable, "-c", "import time; time.sleep(2)"], name="urgent", priority="urgent")
+    urgent = daemon.submit(gate.hold(), name="urgent", priority="urgent")
     j = daemon.until(plain, lambda j: j["state"] == "PAUSED")
     assert j["parked"] == "ram" and j["mechanism"] == "transparent" and j["parked_bytes"] == 4 * 2**30
     assert "frozen transparently (SIMULATED driver)" in j["reason"]
@@ -29,6 +41,7 @@ def test_unmodified_job_is_frozen_and_thawed(daemon, home):
     assert "SIGSTOP sent" in sup_log
     gpus = daemon.client.get("/v1/gpus")
     assert gpus["ram_parked"] == 4 * 2**30 and gpus["transparent"]["simulated"]
+    gate.open()
     assert daemon.cli("wait", str(urgent)).returncode == 0
     done = daemon.state(plain, "COMPLETED", timeout=60)
     reasons = [e["reason"] for e in done["events"]]

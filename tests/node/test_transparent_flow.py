@@ -140,9 +140,11 @@ def test_checkpoint_failure_unlocks_and_keeps_running(world):
 def test_several_cuda_processes_are_refused_without_touching_the_driver(world, tmp_path):
     store, job_id, pid, gpus, driver, freezer = world
     tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"])
-    time.sleep(0.2)
     import psutil
-    kids = [p.pid for p in psutil.Process(tree.pid).children()]
+    deadline = time.monotonic() + 60      # both children exist (sh forks them when it gets the CPU)
+    while len(kids := [p.pid for p in psutil.Process(tree.pid).children()]) < 2:
+        assert time.monotonic() < deadline, kids
+        time.sleep(0.05)
     gpus.procs[0] = tuple(GpuProcess(k, 2**30) for k in kids)
     try:
         job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.RUNNING)

@@ -13,6 +13,8 @@ from typing import Any, Optional
 import httpx
 import pytest
 
+from gpuswap_testing import Gate
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
 
 
@@ -62,7 +64,8 @@ def test_job_runs_as_submitting_user(daemon, nobody):
 
 
 def test_users_see_and_act_on_their_own_jobs_only(daemon, nobody):
-    mine = daemon.submit(["sleep", "30"], name="roots-job")          # submitted as root
+    never = Gate(daemon.home / "never")          # both jobs run until cancelled, however slow the calls
+    mine = daemon.submit(never.sh(), name="roots-job")          # submitted as root
     daemon.state(mine, "RUNNING")
     code, listed = nobody.request("GET", "/v1/jobs")
     assert code == 200 and mine not in [j["id"] for j in listed]
@@ -76,7 +79,7 @@ def test_users_see_and_act_on_their_own_jobs_only(daemon, nobody):
     code, gpus = nobody.request("GET", "/v1/gpus")
     assert gpus["gpus"][0]["jobs"][0]["user"] == "(other)"
     # nobody's own job: visible and cancellable by nobody; root (admin) sees and acts on both
-    code, theirs = nobody.request("POST", "/v1/jobs", {"argv": ["sleep", "30"], "cwd": "/tmp",
+    code, theirs = nobody.request("POST", "/v1/jobs", {"argv": never.sh(), "cwd": "/tmp",
                                                        "env": {"PATH": os.environ["PATH"]}})
     assert [j["id"] for j in nobody.request("GET", "/v1/jobs")[1]] == [theirs["id"]]
     all_jobs = json.loads(daemon.cli("ls", "--all-users", "--json").stdout)

@@ -19,7 +19,8 @@ from typing import Any
 
 from gpuswap.runtime import channel
 
-DEMO_STEPS = 60  # steps of every demo run in these tests (one shared baseline)
+DEMO_STEPS = 150  # steps of every demo run in these tests (one shared baseline)
+HELD_TRAIN = Path(__file__).resolve().parents[1] / "held_train.py"
 
 
 class SupervisorPeer:
@@ -101,10 +102,14 @@ def job_env(peer: SupervisorPeer | None, ckpt_dir: Path | None, control: str | N
     return env
 
 
-def start_train(out: Path, steps: int, step_time: float, env: dict[str, str] | None) -> subprocess.Popen:
+def start_train(out: Path, steps: int, step_time: float, env: dict[str, str] | None,
+                gate: Path | None = None) -> subprocess.Popen:
+    """The demo training job; with `gate`, held at its safepoints from step steps - 2 until the test
+    creates that file (tests/held_train.py), so it cannot end before the test's messages reach it."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-    cmd = [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps),
+    program = [str(HELD_TRAIN), str(gate), str(steps - 2)] if gate else ["-m", "gpuswap.demo.train"]
+    cmd = [sys.executable, *program, "--steps", str(steps),
            "--step-time", str(step_time), "--out", str(out), "--log-every", "1000"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -21,11 +21,11 @@ def _pause_ram_and_resume(peer) -> dict:
 
 
 def test_paused_ram_and_disk_many_times_ends_bitwise_equal(peer, tmp_path, baseline):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "result.json"
+    ckpt, out, gate = tmp_path / "ckpt", tmp_path / "result.json", tmp_path / "go"
     env = job_env(peer, ckpt)
 
     # run 1: ram, ram, then a disk pause while parked in ram (a spill) -> exit 75
-    proc = start_train(out, DEMO_STEPS, STEP_TIME, env)
+    proc = start_train(out, DEMO_STEPS, STEP_TIME, env, gate)
     hello = peer.expect("hello")
     assert hello["restored_step"] is None and hello["pid"] == proc.pid
     p1 = _pause_ram_and_resume(peer)
@@ -33,7 +33,7 @@ def test_paused_ram_and_disk_many_times_ends_bitwise_equal(peer, tmp_path, basel
     p2 = peer.expect("paused")
     assert p2["step"] > p1["step"]
     peer.send({"op": "pause", "tier": "ram"})  # already parked: ignored
-    usage = peer.expect("usage", timeout=10)  # heartbeat while parked: nothing on the device
+    usage = peer.expect("usage")  # heartbeat while parked: nothing on the device
     assert usage["parked"] is True and usage["device_bytes"] == 0
     peer.send({"op": "pause", "tier": "disk"})
     ck = peer.expect("checkpointed")
@@ -42,7 +42,7 @@ def test_paused_ram_and_disk_many_times_ends_bitwise_equal(peer, tmp_path, basel
     assert rc == REQUEUE_EXIT_CODE, err
 
     # run 2: restarts from that checkpoint, pauses straight to disk -> exit 75
-    proc = start_train(out, DEMO_STEPS, STEP_TIME, env)
+    proc = start_train(out, DEMO_STEPS, STEP_TIME, env, gate)
     hello = peer.expect("hello")
     assert hello["restored_step"] == ck["step"]
     peer.send({"op": "pause", "tier": "disk"})
@@ -53,9 +53,10 @@ def test_paused_ram_and_disk_many_times_ends_bitwise_equal(peer, tmp_path, basel
     assert "restored checkpoint" in err
 
     # run 3: restarts, one more ram pause, then runs to the end
-    proc = start_train(out, DEMO_STEPS, STEP_TIME, env)
+    proc = start_train(out, DEMO_STEPS, STEP_TIME, env, gate)
     assert peer.expect("hello")["restored_step"] == ck2["step"]
     _pause_ram_and_resume(peer)
+    gate.touch()
     rc, _, err = finish(proc)
     assert rc == 0, err
 
@@ -75,12 +76,13 @@ def test_job_survives_absent_socket(tmp_path, baseline):
 
 
 def test_job_reconnects_after_supervisor_drops(peer, tmp_path, baseline):
-    out = tmp_path / "result.json"
-    proc = start_train(out, DEMO_STEPS, STEP_TIME, job_env(peer, tmp_path / "ckpt"))
+    out, gate = tmp_path / "result.json", tmp_path / "go"
+    proc = start_train(out, DEMO_STEPS, STEP_TIME, job_env(peer, tmp_path / "ckpt"), gate)
     peer.expect("hello")
     peer.drop()
-    assert peer.expect("hello", timeout=20)["pid"] == proc.pid  # it came back by itself
+    assert peer.expect("hello")["pid"] == proc.pid  # it came back by itself
     _pause_ram_and_resume(peer)
+    gate.touch()
     rc, _, err = finish(proc)
     assert rc == 0, err
     assert "closed; training continues" in err
@@ -90,13 +92,14 @@ def test_job_reconnects_after_supervisor_drops(peer, tmp_path, baseline):
 def test_failed_disk_pause_reports_error_and_trains_on(peer, tmp_path, baseline):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should go")
-    out = tmp_path / "result.json"
-    proc = start_train(out, DEMO_STEPS, STEP_TIME, job_env(peer, blocker / "ckpt"))
+    out, gate = tmp_path / "result.json", tmp_path / "go"
+    proc = start_train(out, DEMO_STEPS, STEP_TIME, job_env(peer, blocker / "ckpt"), gate)
     peer.expect("hello")
     peer.send({"op": "pause", "tier": "disk"})
     err_msg = peer.expect("error")
     assert "disk checkpoint failed" in err_msg["message"]
     _pause_ram_and_resume(peer)  # still alive and still pausable
+    gate.touch()
     rc, _, err = finish(proc)
     assert rc == 0, err
     assert read_result(out)["sha256"] == baseline["sha256"]

@@ -15,8 +15,10 @@ import subprocess
 import time
 from pathlib import Path
 
-APT_PACKAGES = ["slurm-wlm", "munge"]
 DAEMONS = ("slurmctld", "slurmd", "munged")
+CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
+SEARCH_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+SETUP_HINT = "run tests/setup-system.sh as root (apt-get install slurm-wlm munge)"
 
 
 def free_port() -> int:
@@ -25,21 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_installed() -> str | None:
-    """Install Slurm and munge from apt if missing. Returns why not, or None when ready."""
-    if all(shutil.which(b, path="/usr/sbin:/usr/bin:/sbin:/bin") for b in DAEMONS + ("sbatch",)):
-        return None
-    if os.geteuid() != 0:
-        return "Slurm is not installed and installing it needs root (apt-get install slurm-wlm munge)"
-    if shutil.which("apt-get") is None:
-        return "Slurm is not installed and there is no apt-get to install it with"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]
-    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"apt-get install {' '.join(APT_PACKAGES)} failed:\n{res.stderr[-3000:]}")
+def why_not_available(path: str = SEARCH_PATH) -> str | None:
+    """Why a real Slurm cannot run here (the programs missing from `path`), or None when it can.
+    Only looks: installing is tests/setup-system.sh's job, never a test run's."""
+    missing = [b for b in DAEMONS + CLIENTS if shutil.which(b, path=path) is None]
+    if missing:
+        return f"Slurm/munge programs not installed ({', '.join(missing)}); {SETUP_HINT}"
     return None
 
 

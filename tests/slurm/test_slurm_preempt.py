@@ -16,11 +16,20 @@ pytestmark = pytest.mark.slurm
 
 STEPS, STEP_TIME = 300, 0.03
 REPO_SRC = str(Path(__file__).resolve().parents[2] / "src")
+HELD_TRAIN = Path(__file__).resolve().parents[1] / "held_train.py"
 
+# The demo training, held at its safepoints from step STEPS/2 on until the test creates {gate}
+# (tests/held_train.py): it cannot finish before Slurm has preempted or cancelled it, however slow
+# the machine; a requeued run restarts below STEPS/2 + 1 and so still has steps to run.
 SCRIPT = """#!/bin/bash
 echo "batch: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"
-exec {launcher}{python} -m gpuswap.demo.train --steps {steps} --step-time {step_time} --log-every 10 --out {out}
+exec {launcher}{python} {held} {gate} {hold_at} --steps {steps} --step-time {step_time} --log-every 10 --out {out}
 """
+
+
+def _script(launcher: str, gate: Path, out: Path) -> str:
+    return SCRIPT.format(launcher=launcher, python=sys.executable, held=HELD_TRAIN, gate=gate, hold_at=STEPS // 2,
+                         steps=STEPS, step_time=STEP_TIME, out=out)
 
 
 def _train_env(extra: dict[str, str], base: dict[str, str]) -> dict[str, str]:
@@ -64,8 +73,8 @@ def test_preempted_job_requeues_and_resumes_exactly(slurm, baseline, tmp_path: P
         launcher = f"{sys.executable} -m gpuswap.cli.main slurm-wrap -- "
     else:  # preemption's first SIGTERM goes to the job's tasks: run training as an srun task
         opts, extra, launcher = [], {"GPUSWAP_SLURM_REQUEUE": "exit"}, "srun --kill-on-bad-exit=0 "
-    script.write_text(SCRIPT.format(launcher=launcher, python=sys.executable, steps=STEPS,
-                                    step_time=STEP_TIME, out=out))
+    gate = tmp_path / "go"
+    script.write_text(_script(launcher, gate, out))
     env = _train_env(extra, slurm.env)
     low = slurm.sbatch("-p", "low", "-t", "10", "--requeue", "--open-mode=append", "-o", str(log),
                        *opts, str(script), cwd=tmp_path, env=env)
@@ -74,6 +83,7 @@ def test_preempted_job_requeues_and_resumes_exactly(slurm, baseline, tmp_path: P
                         "--wrap", "echo high ran; sleep 1", cwd=tmp_path, env=env)
 
     slurm.wait_state(high, ("COMPLETED",), timeout=120)
+    gate.touch()
     info = slurm.wait_state(low, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=150)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", (info, text, slurm.logs())
@@ -100,8 +110,7 @@ def test_preempted_job_requeues_and_resumes_exactly(slurm, baseline, tmp_path: P
 def test_scancel_is_not_turned_into_a_requeue(slurm, tmp_path: Path) -> None:
     """scancel also sends SIGTERM: the job checkpoints, but must stay cancelled."""
     log, script = tmp_path / "job.out", tmp_path / "train.sh"
-    script.write_text(SCRIPT.format(launcher="", python=sys.executable, steps=STEPS,
-                                    step_time=STEP_TIME, out=tmp_path / "result.json"))
+    script.write_text(_script("", tmp_path / "never", tmp_path / "result.json"))   # held until cancelled
     job = slurm.sbatch("-p", "low", "-t", "10", "--requeue", "-o", str(log), str(script),
                        cwd=tmp_path, env=_train_env({}, slurm.env))
     _wait_output(log, f"step 30/{STEPS}", timeout=120)

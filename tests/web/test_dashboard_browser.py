@@ -10,51 +10,31 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from webtools import Web, start_web
+from webtools import CHROMIUM, Web, start_web, why_no_browser
 
-CHROMIUM = "/usr/bin/chromium"
+from gpuswap_testing import Gate
+
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
 
-def _ensure_chromium() -> None:
-    if os.path.exists(CHROMIUM):
-        return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"BROWSER TESTS NOT RUN: {CHROMIUM} is missing and apt-get cannot install it here "
-                    "(run `apt-get install -y chromium` as root)")
-    r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"], capture_output=True,
-                       text=True, timeout=900, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-    if r.returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
-        r = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
-                           capture_output=True, text=True, timeout=900,
-                           env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-    assert r.returncode == 0 and os.path.exists(CHROMIUM), f"installing chromium failed:\n{r.stdout}\n{r.stderr}"
-
-
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
-    _ensure_chromium()
+    why = why_no_browser(CHROMIUM)
+    if why:
+        pytest.skip(f"BROWSER TESTS NOT RUN: {why}")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         yield b
         b.close()
-
-
-def train(out: Path, steps: int, step_time: float) -> list[str]:
-    return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
-            "--out", str(out)]
 
 
 class Page:
@@ -82,7 +62,6 @@ class Page:
         return path
 
 
-@pytest.mark.timeout(900)   # the first run may install chromium with apt (a minute or two)
 def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home, tmp_path):
     from playwright.sync_api import expect
 
@@ -90,7 +69,10 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    long_id = d.submit(train(home / "long.json", 4000, 0.02), name="long-train", priority="low", mem="20GiB")
+    # The long job holds at its last steps until cancelled (it must still be there at the end, however
+    # slow the browser steps are); the urgent job keeps the GPU until the page has shown it there.
+    long_id = d.submit(Gate(home / "never").train(home / "long.json", 4000, 0.02), name="long-train",
+                       priority="low", mem="20GiB")
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
 
     root = Page(browser, web, web.token(), shots, "root")
@@ -104,8 +86,8 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     root.shot("long-job-running")
 
     # An urgent job arrives: the page shows the long job parked in RAM and the urgent one on the GPU.
-    urgent = d.submit([sys.executable, "-c", "import time; time.sleep(4); print('eval ok')"],
-                      name="urgent-eval", priority="urgent")
+    urgent_gate = Gate(home / "urgent.go")
+    urgent = d.submit(urgent_gate.hold("print('eval ok')"), name="urgent-eval", priority="urgent")
     root.expect_state(long_id, "PAUSED")
     expect(root.row(long_id).locator(".where")).to_have_text("parked in RAM")
     expect(root.row(urgent)).to_contain_text("urgent")
@@ -116,6 +98,7 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(root.row(long_id).locator(".reason")).to_contain_text(
         f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)")
     root.shot("urgent-preempted-long")
+    urgent_gate.open()
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.
     root.expect_state(urgent, "COMPLETED")
@@ -209,7 +192,7 @@ def test_dashboard_shows_user_text_as_text_and_runs_none_of_it(browser, make_dae
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    job = d.submit([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(60)",
+    job = d.submit([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(300)",
                     XSS_ARG], name=XSS_NAME)
     d.until(job, lambda j: j["state"] == "RUNNING")
     pg = Page(browser, web, web.token(), shots, "xss")
@@ -259,7 +242,7 @@ def test_dashboard_refused_pause_shows_the_reason(browser, make_daemon, tmp_path
     shots.mkdir()
     # No gpuswap runtime and cooperative parking only: the first pause times out and leaves it
     # running, after which every pause is refused.
-    job = d.submit(["sleep", "60"], name="no-runtime", pause_mode="cooperative")
+    job = d.submit(["sleep", "300"], name="no-runtime", pause_mode="cooperative")   # cancelled at the end
     d.state(job, "RUNNING")
     pg = Page(browser, web, web.token(), shots, "refused")
     p = pg.page

@@ -10,6 +10,8 @@ import time
 import pytest
 from webtools import Web, free_port, web  # noqa: F401  (fixture)
 
+from gpuswap_testing import Gate
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
 
@@ -56,7 +58,7 @@ def test_tokens_are_stored_hashed_and_revocable(web):
 
 
 def test_other_users_token_same_rules_as_socket(web):
-    root_job = web.daemon.submit(["sleep", "30"], name="roots")
+    root_job = web.daemon.submit(Gate(web.daemon.home / "never").sh(), name="roots")   # runs until cancelled
     nobody = web.token("nobody")
     with web.http(nobody) as c:
         me = c.get("/v1/overview").json()
@@ -135,10 +137,8 @@ def test_dashboard_and_log_tail_headers(web):
     assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
     assert page.headers["x-content-type-options"] == "nosniff" and page.headers["x-frame-options"] == "DENY"
     with web.http(web.token()) as c:
-        for _ in range(50):
-            tail = c.get(f"/v1/jobs/{job}/log/tail")
-            if "<script>" in tail.text:
-                break
+        deadline = time.monotonic() + 60
+        while "<script>" not in (tail := c.get(f"/v1/jobs/{job}/log/tail")).text and time.monotonic() < deadline:
             time.sleep(0.1)
         assert tail.headers["content-type"] == "text/plain; charset=utf-8"
         assert tail.headers["x-content-type-options"] == "nosniff" and "<script>alert(1)</script>" in tail.text

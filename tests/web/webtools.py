@@ -3,11 +3,24 @@
 A real daemon with a TCP listener on 127.0.0.1, and helpers to create bearer tokens."""
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
 import httpx
 import pytest
+
+
+# Debian's Chromium (tests/setup-system.sh installs it); Playwright drives it, never its own download.
+CHROMIUM = "/usr/bin/chromium"
+
+
+def why_no_browser(path: str = CHROMIUM) -> str | None:
+    """Why the browser tests cannot run (no executable browser at `path`), or None when they can.
+    Only looks: installing is tests/setup-system.sh's job, never a test run's."""
+    if not os.access(path, os.X_OK):
+        return f"{path} is not installed; run tests/setup-system.sh as root (apt-get install chromium)"
+    return None
 
 
 def free_port() -> int:

@@ -170,11 +170,8 @@ def build_parser() -> Parser:
     from gpuswap.cli import slurm_wrap  # issue 5: Slurm signal forwarding for any command
     slurm_wrap.register(sub)
 
-    try:  # TEMP until sim cli lands
-        from gpuswap.sim import cli as sim_cli
-        sim_cli.register(sub)
-    except ImportError:
-        pass
+    from gpuswap.sim import cli as sim_cli   # imported plainly: a broken import must fail, not hide a verb
+    sim_cli.register(sub)
     sub.metavar = "{" + ",".join(sub.choices) + "}"   # "required: {server,submit,...}", not "verb"
     return p
 
