@@ -8,7 +8,8 @@ the socket, it only reads a flag that the runtime's reader thread sets.
 runtime -> supervisor
   {"op": "hello", "pid": int, "device_bytes": int, "restored_step": int|null,
    "restored_bytes": int, "restore_s": float|null}   # the checkpoint restored at attach, and its time
-  {"op": "usage", "device_bytes": int, "step": int|null}          # periodic, for accounting
+  {"op": "usage", "device_bytes": int, "step": int|null}          # periodic, for accounting;
+      # device_bytes as measured at the last safepoint (never walked from another thread)
   {"op": "paused", "tier": "ram", "bytes": int, "seconds": float, "step": int}
   {"op": "resumed", "bytes": int, "seconds": float}
   {"op": "checkpointed", "path": str, "bytes": int, "seconds": float, "step": int}

@@ -78,12 +78,13 @@ def serve(job: "Job", tier: str) -> None:
         _error(job, "disk pause", RuntimeError("no $GPUSWAP_CKPT_DIR for this job"))
         return
     cap, job._max_bytes = job._max_bytes, None
-    if tier == "ram" and cap is not None and job.device_bytes() > cap:
+    held = job._measure() if tier == "ram" and cap is not None else None
+    if held is not None and held > cap:
         if not job.config.ckpt_dir:
             job._mark_running()
-            _error(job, "park to ram", RuntimeError(f"{job.device_bytes()} bytes exceed the RAM budget's {cap}"))
+            _error(job, "park to ram", RuntimeError(f"{held} bytes exceed the RAM budget's {cap}"))
             return
-        print(f"gpuswap: {job.device_bytes()} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
+        print(f"gpuswap: {held} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
               file=sys.stderr, flush=True)
         tier = "disk"
     t0 = time.perf_counter()
