@@ -147,7 +147,8 @@ class Supervisor:
                 self.sent = None
                 rt.update(connected=True, attached=True, state="paused" if msg.get("parked") else "running",
                           pid=msg.get("pid"), restored_step=msg.get("restored_step"),
-                          restored_bytes=msg.get("restored_bytes"), restore_s=msg.get("restore_s"))
+                          restored_bytes=msg.get("restored_bytes"), restore_s=msg.get("restore_s"),
+                          restore_note=_text(msg.get("restore_note")))
                 if msg.get("parked"):
                     rt["tier"] = "ram"
                 else:
@@ -166,6 +167,8 @@ class Supervisor:
                 rt.update(state="checkpointed", tier="disk", bytes=msg.get("bytes", 0),
                           step=msg.get("step"), pause_s=msg.get("seconds"), ckpt_path=msg.get("path"))
                 self.sent = None
+            elif op == "restore_failed":   # no usable checkpoint; the job exits 1 right after
+                rt.update(restore_failed=_text(msg.get("message")) or "no usable checkpoint")
             elif op == "error":
                 # The request failed; it is not re-sent (a full disk would make that a loop): the
                 # daemon sees the error and changes what it wants.
@@ -274,6 +277,11 @@ class Supervisor:
             self.status["runtime"]["connected"] = False
         self.write_status()
         return 0
+
+
+def _text(value: Any, limit: int = 2000) -> Optional[str]:
+    """A job-supplied string, bounded; anything else is None."""
+    return value[:limit] if isinstance(value, str) and value else None
 
 
 def main(argv: list[str]) -> int:

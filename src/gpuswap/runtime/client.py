@@ -177,6 +177,20 @@ class ControlClient:
                 self.send(msg)
 
 
+def send_once(address: str, msg: dict[str, Any], timeout_s: float = SEND_TIMEOUT_S) -> bool:
+    """One message on a fresh connection, for a process about to exit (no threads started)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(channel.socket_address(address))
+            sock.sendall(channel.encode(msg))
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # wait for the supervisor to read it and close, or the timeout
+        return True
+    except OSError:
+        return False
+
+
 def _log(text: str) -> None:
     try:
         print(f"gpuswap[{os.getpid()}]: {text}", file=sys.stderr, flush=True)

@@ -76,7 +76,7 @@ class Job:
     __slots__ = (
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
-        "_measure_req", "_owner",
+        "_measure_req", "_owner", "restore_note",
     )
     inside = True
 
@@ -87,6 +87,7 @@ class Job:
         self.restored_step: int | None = None
         self.restored_bytes = 0                  # checkpoint bytes restored at attach, and how long
         self.restore_s: float | None = None      # it took: the daemon's disk-read bandwidth sample
+        self.restore_note: str | None = None     # newer checkpoints skipped, or a requested restart
         self.config = config
         self._items = items
         self._pending = False  # the one flag safepoint reads: a pause or a measurement is asked for
@@ -233,7 +234,8 @@ class Job:
         # Sent from the reader thread: the last measurement, never a walk of the tensors.
         return {"op": "hello", "pid": os.getpid(), "device_bytes": 0 if self.parked else self._last_bytes,
                 "restored_step": self.restored_step, "restored_bytes": self.restored_bytes,
-                "restore_s": self.restore_s, "job_id": self.config.job_id, "parked": self.parked}
+                "restore_s": self.restore_s, "restore_note": self.restore_note,
+                "job_id": self.config.job_id, "parked": self.parked}
 
     def _usage(self) -> dict[str, Any]:
         """The heartbeat (usage thread): reports the last measurement and asks the next
