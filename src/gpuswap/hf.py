@@ -33,7 +33,7 @@ from typing import Any, Optional
 from transformers import Trainer, TrainerCallback
 
 import gpuswap
-from gpuswap.runtime import checkpoint
+from gpuswap.runtime import pausing
 from gpuswap.runtime.handle import RuntimeConfig
 
 STATE_NAME = "hf_trainer"  # attach name of the Trainer's checkpoint files
@@ -108,8 +108,8 @@ class SafepointCallback(TrainerCallback):
         config = _runtime_config()
         if self.trainer is None or config is None or not config.ckpt_dir:
             return
-        found = checkpoint.load_latest(config.ckpt_dir)
-        entry = found[1]["objects"].get(STATE_NAME) if found else None
+        _, payload = pausing.choose_or_exit(config)  # none usable: exits, never a silent restart
+        entry = payload["objects"].get(STATE_NAME) if payload else None
         if entry is None:
             return
         self.resume_dir = _unpack(entry["state"]["files"])

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 import gpuswap
-from gpuswap.runtime import checkpoint
+from gpuswap.runtime import pausing
 from gpuswap.runtime.handle import RuntimeConfig
 
 STATE_NAME = "lightning"          # the attach name of Lightning's checkpoint dict
@@ -100,10 +100,10 @@ class SafepointCallback(pl.Callback):
         config = _runtime_config()
         if config is None or not config.ckpt_dir:
             return
-        found = checkpoint.load_latest(config.ckpt_dir)
-        if found is None:
+        _, payload = pausing.choose_or_exit(config)  # none usable: exits, never a silent restart
+        if payload is None:
             return
-        entry = found[1]["objects"].get(STATE_NAME)
+        entry = payload["objects"].get(STATE_NAME)
         if entry is None:
             print("gpuswap: the checkpoint has no Lightning state; not restoring it", file=sys.stderr)
             return

@@ -4,7 +4,6 @@ NUL, '=' in a variable's name); and a full disk is a 507 that changes nothing.""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import tempfile

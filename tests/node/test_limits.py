@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
 import time
 
 import httpx
-import pytest
 
 # The documented limits (docs/limits.md), stated here so the test checks the contract.
 MAX_ARGV_BYTES = MAX_ENV_BYTES = 256 * 1024

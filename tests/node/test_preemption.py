@@ -27,7 +27,7 @@ def test_urgent_preempts_low_ram_park_and_exact_resume(daemon, home, reference_h
     states = [e["state"] for e in done["events"] if not e["reason"].startswith("waiting (")]
     assert states == ["PENDING", "RUNNING", "PAUSING", "PAUSED", "RESUMING", "RUNNING", "COMPLETED"]
     # While parked, why it waited is in its log: the urgent job holds the GPU its state is tied to.
-    assert any(e["state"] == "PAUSED" and e["reason"].startswith(f"waiting (Priority): waiting for its own GPU 0")
+    assert any(e["state"] == "PAUSED" and e["reason"].startswith("waiting (Priority): waiting for its own GPU 0")
                and f"held by job {urgent} (urgent, not preemptible by a lower priority)" in e["reason"]
                for e in done["events"]), done["events"]
     assert "preempted by job" in done["events"][2]["reason"]

@@ -19,12 +19,17 @@ MAX_STEP = 2**53
 MAX_SECONDS = 1e9          # ~31 years
 MAX_PID = 2**22            # the kernel's pid_max ceiling
 MAX_TEXT = 500             # an error message is cut to this; a path longer than PATH_MAX is refused
+MAX_NOTE = 2000            # what a restore says about the checkpoints it skipped (names and reasons)
 MAX_PATH = 4096
 MAX_LINE = 1 << 16         # no valid control message comes near this; a longer line is dropped unread
 
 
 def _cut(v: Any) -> Any:
     return v[:MAX_TEXT] if isinstance(v, str) else v
+
+
+def _cut_note(v: Any) -> Any:
+    return v[:MAX_NOTE] if isinstance(v, str) else v
 
 
 def _finite(v: Any) -> Any:
@@ -53,6 +58,7 @@ Seconds = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=MAX_SECONDS,
 Timestamp = Annotated[float, BeforeValidator(_finite), Field(ge=0, le=1e11, allow_inf_nan=False)]
 Pid = Annotated[StrictInt, Field(ge=1, le=MAX_PID)]
 Text = Annotated[str, BeforeValidator(_cut), Field(strict=True)]
+Note = Annotated[str, BeforeValidator(_cut_note), Field(strict=True)]
 FsPath = Annotated[str, Field(strict=True, max_length=MAX_PATH)]
 TierName = Literal["ram", "disk"]
 
@@ -69,6 +75,7 @@ class Hello(_Msg):
     restored_step: Step = None
     restored_bytes: Optional[Bytes] = None
     restore_s: Optional[Seconds] = None
+    restore_note: Optional[Note] = None     # which checkpoint was used instead of a bad newer one, and why
 
 
 class Usage(_Msg):
@@ -104,8 +111,14 @@ class Error(_Msg):
     message: Text = ""
 
 
-Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error]
-OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error"})
+class RestoreFailed(_Msg):
+    """No usable checkpoint and no restart asked for: the job exits 1 right after (docs/runtime.md)."""
+    op: Literal["restore_failed"]
+    message: Note = "no usable checkpoint"
+
+
+Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error, RestoreFailed]
+OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error", "restore_failed"})
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="op")])
 
 
@@ -133,6 +146,7 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
         "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
+        "restore_note": Optional[Note], "restore_failed": Note,
     }.items()
 }
 
@@ -149,12 +163,6 @@ def runtime_facts(raw: Any) -> dict[str, Any]:
             except ValidationError:
                 pass
     return out
-
-
-def pid_or_none(v: Any) -> Optional[int]:
-    """A job pid read back from status.json, if it is one."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_PID else None
-
 
 
 def exit_facts(raw: Any) -> Optional[dict[str, Any]]:

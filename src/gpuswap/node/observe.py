@@ -133,9 +133,15 @@ class Observer:
             # resume bandwidth, as a RAM resume's timing is the RAM tier's.
             self.bandwidths.observe("disk_read_bps", nbytes, seconds)
             read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
+            note = rt.get("restore_note")
+            if step is None and note:   # checkpoints were all bad; the job's env asked for a restart
+                event = str(note)
+            elif step is None:
+                event = "restarted from step 0: its disk checkpoint was gone"
+            else:
+                event = f"restarted from its disk checkpoint at step {step}{read}" + (f"; {note}" if note else "")
             self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, last_start=now,
-                              event="restarted from its disk checkpoint"
-                                    + (f" at step {step}" if step is not None else "") + read)
+                              event=event)
 
     def _supervisor_died(self, job: JobRecord, obs: Observation, now: float) -> None:
         """Nobody will reap or control the job's processes any more: kill its whole session, and
@@ -180,6 +186,12 @@ class Observer:
                       f"written in {rt.get('pause_s') or 0:.2f} s; requeued")
             return
         common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
+        if rt.get("restore_failed") and not job.cancel_requested:
+            # No usable checkpoint: the job refused to start over. Its checkpoints are kept (not
+            # `_end`): they are the evidence, and perhaps repairable.
+            self.store.update(job.id, now, end_time=now, state=JobState.FAILED,
+                              event=f"{rt['restore_failed']} ({_exit_text(code, sig)})", **common)
+            return
         where = f" while {job.state.value.lower()}" if job.state != JobState.RUNNING else ""
         if ex.get("error"):
             self._end(job, now, state=JobState.FAILED, event=ex["error"], **common)

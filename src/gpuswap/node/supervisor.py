@@ -243,7 +243,8 @@ class Supervisor:
                 self.sent = None
                 rt.update(connected=True, attached=True, state="paused" if msg.parked else "running",
                           pid=msg.pid, restored_step=msg.restored_step,
-                          restored_bytes=msg.restored_bytes, restore_s=msg.restore_s)
+                          restored_bytes=msg.restored_bytes, restore_s=msg.restore_s,
+                          restore_note=msg.restore_note)
                 if msg.parked:
                     rt["tier"] = "ram"
                 else:
@@ -262,6 +263,8 @@ class Supervisor:
                 rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
                           step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path)
                 self.sent = None
+            elif isinstance(msg, messages.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
+                rt.update(restore_failed=msg.message)
             elif isinstance(msg, messages.Error):
                 # The request failed; it is not re-sent (a full disk would make that a loop): the
                 # daemon sees the error and changes what it wants.

@@ -10,8 +10,13 @@ the socket, it only reads a flag that the runtime's reader thread sets.
 
 runtime -> supervisor
   {"op": "hello", "pid": int, "device_bytes": int, "restored_step": int|null,
-   "restored_bytes": int, "restore_s": float|null}   # the checkpoint restored at attach, and its time
-  {"op": "usage", "device_bytes": int, "step": int|null}          # periodic, for accounting
+   "restored_bytes": int, "restore_s": float|null,   # the checkpoint restored at attach, and its time
+   "restore_note": str|null}   # newer checkpoints skipped (and why), or a requested restart from 0
+  {"op": "restore_failed", "message": str}
+      # checkpoints exist but none is usable and GPUSWAP_RESTART_ON_BAD_CHECKPOINT is not 1: sent on
+      # a one-off connection before attach returns; the job then exits 1 (the daemon: FAILED)
+  {"op": "usage", "device_bytes": int, "step": int|null}          # periodic, for accounting;
+      # device_bytes as measured at the last safepoint (never walked from another thread)
   {"op": "paused", "tier": "ram", "bytes": int, "seconds": float, "step": int}
   {"op": "resumed", "bytes": int, "seconds": float}
   {"op": "checkpointed", "path": str, "bytes": int, "seconds": float, "step": int}

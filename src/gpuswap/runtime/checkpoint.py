@@ -23,9 +23,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Mapping
 
 FORMAT = "gpuswap-ckpt/1"
+ENV_RESTART = "GPUSWAP_RESTART_ON_BAD_CHECKPOINT"  # "1": no usable checkpoint -> start from step 0
 KEEP = 2
 _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
 _CHUNK = 8 << 20
@@ -33,6 +34,10 @@ _CHUNK = 8 << 20
 
 class CheckpointError(Exception):
     """A checkpoint could not be read or verified."""
+
+
+class NoUsableCheckpoint(CheckpointError):
+    """Checkpoints exist but none is usable, and the job did not ask to start over."""
 
 
 @dataclass(frozen=True)
@@ -95,13 +100,15 @@ def _write_file_atomic(directory: Path, name: str, write) -> tuple[int, str]:
     return sink.size, sink.sha.hexdigest()
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
-    """Committed checkpoints (those with a readable manifest), newest first. Unverified."""
+def list_checkpoints(directory: str | os.PathLike, unreadable: list[str] | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints (those with a readable manifest), newest first. Unverified.
+    A manifest that exists but cannot be read is a committed checkpoint gone bad: it is skipped
+    and, if `unreadable` is given, described there."""
     d = Path(directory)
     if not d.is_dir():
         return []
     found: list[CheckpointInfo] = []
-    for entry in d.iterdir():
+    for entry in sorted(d.iterdir(), reverse=True):
         if not _MANIFEST.match(entry.name):
             continue
         try:
@@ -110,6 +117,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
             info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
         except (OSError, ValueError, TypeError) as exc:
             _warn(f"ignoring unreadable checkpoint manifest {entry}: {exc}")
+            if unreadable is not None:
+                unreadable.append(f"manifest {entry.name} is unreadable ({exc})")
             continue
         found.append(info)
     found.sort(key=lambda i: i.seq, reverse=True)
@@ -194,23 +203,52 @@ def load_checkpoint(directory: str | os.PathLike, info: CheckpointInfo) -> dict[
     return payload
 
 
-def load_latest(directory: str | os.PathLike) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, falling back (with a warning) past corrupt ones.
-
-    None when the directory holds no checkpoint at all. When checkpoints exist but none verifies,
-    warns and returns None: the job then starts from scratch rather than not at all.
-    """
-    infos = list_checkpoints(directory)
+def find_latest(directory: str | os.PathLike) -> tuple[CheckpointInfo | None, dict[str, Any] | None, list[str]]:
+    """(info, payload) of the newest checkpoint that verifies and loads (None, None if there is
+    none), and one line per newer committed checkpoint that was unusable, newest first."""
+    rejected: list[str] = []
+    infos = list_checkpoints(directory, rejected)
     for n, info in enumerate(infos):
         try:
             payload = load_checkpoint(directory, info)
         except CheckpointError as exc:
-            nxt = f"falling back to ckpt seq {infos[n + 1].seq}" if n + 1 < len(infos) else (
-                "no older checkpoint left; starting from scratch")
+            nxt = f"falling back to ckpt seq {infos[n + 1].seq}" if n + 1 < len(infos) else "no older checkpoint left"
             _warn(f"checkpoint seq {info.seq} (step {info.step}) is unusable: {exc}; {nxt}")
+            rejected.append(f"seq {info.seq} (step {info.step}): {exc}")
             continue
-        return info, payload
-    return None
+        return info, payload, rejected
+    return None, None, rejected
+
+
+def load_latest(directory: str | os.PathLike) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, falling back (with a warning) past corrupt ones;
+    None if none does. Restores go through `choose`, which refuses to start over silently."""
+    info, payload, _ = find_latest(directory)
+    return (info, payload) if info is not None and payload is not None else None
+
+
+def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ,
+           ) -> tuple[CheckpointInfo | None, dict[str, Any] | None, str | None]:
+    """What a (re)starting job restores: (info, payload, note).
+
+    The newest good checkpoint; `note` says which newer ones were skipped and why. No checkpoint
+    at all: (None, None, None), a fresh start. Checkpoints that exist but none usable: raises
+    NoUsableCheckpoint, since starting over would silently throw the training away, unless the
+    job's environment has GPUSWAP_RESTART_ON_BAD_CHECKPOINT=1; then (None, None, note) and the
+    note says it restarts from step 0 and why.
+    """
+    info, payload, rejected = find_latest(directory)
+    if info is not None:
+        note = (f"newer checkpoint(s) unusable, used seq {info.seq} (step {info.step}) instead: "
+                + "; ".join(rejected)) if rejected else None
+        return info, payload, note
+    if not rejected:
+        return None, None, None
+    why = "no usable checkpoint: " + "; ".join(rejected)
+    if env.get(ENV_RESTART, "").strip() == "1":
+        return None, None, f"{why}; restarted from step 0 as {ENV_RESTART}=1 asks"
+    raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {ENV_RESTART}=1 in the "
+                             "job's environment to allow that)")
 
 
 def _warn(text: str) -> None:

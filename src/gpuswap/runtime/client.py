@@ -12,14 +12,33 @@ import socket
 import struct
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from gpuswap.runtime import channel
 
 USAGE_INTERVAL_S = 2.0
+ENV_USAGE_INTERVAL = "GPUSWAP_USAGE_INTERVAL_S"   # seconds between usage reports (tests shorten it)
+USAGE_INTERVAL_MIN_S, USAGE_INTERVAL_MAX_S = 0.001, 3600.0
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 SEND_TIMEOUT_S = 5.0
+
+
+def usage_interval(env: Mapping[str, str] = os.environ) -> float:
+    """`$GPUSWAP_USAGE_INTERVAL_S` if it is a number of seconds in [0.001, 3600], else the default
+    (with one line to stderr: a bad value must not stop training)."""
+    text = env.get(ENV_USAGE_INTERVAL, "").strip()
+    if not text:
+        return USAGE_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not USAGE_INTERVAL_MIN_S <= value <= USAGE_INTERVAL_MAX_S:  # also false for nan
+        _log(f"ignoring {ENV_USAGE_INTERVAL}={text[:40]!r}: not a number of seconds in "
+             f"[{USAGE_INTERVAL_MIN_S:g}, {USAGE_INTERVAL_MAX_S:g}]; using {USAGE_INTERVAL_S:g}")
+        return USAGE_INTERVAL_S
+    return value
 
 
 class ControlClient:
@@ -37,6 +56,7 @@ class ControlClient:
         self._on_message = on_message
         self._hello = hello
         self._usage = usage
+        self._interval = usage_interval()
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -148,13 +168,27 @@ class ControlClient:
                 complained = True
 
     def _usage_loop(self) -> None:
-        while not self._closed.wait(USAGE_INTERVAL_S):
+        while not self._closed.wait(self._interval):
             if self._connected.is_set():
                 try:
                     msg = self._usage()
                 except Exception:  # racing the training thread (e.g. optimizer state growing)
                     continue
                 self.send(msg)
+
+
+def send_once(address: str, msg: dict[str, Any], timeout_s: float = SEND_TIMEOUT_S) -> bool:
+    """One message on a fresh connection, for a process about to exit (no threads started)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(channel.socket_address(address))
+            sock.sendall(channel.encode(msg))
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # wait for the supervisor to read it and close, or the timeout
+        return True
+    except OSError:
+        return False
 
 
 def _log(text: str) -> None:

@@ -1,8 +1,12 @@
 """`attach()` and the handle a training loop calls `safepoint(step)` on.
 
 The hot path is two attribute operations: record the step, test one flag the control thread
-sets. Everything else (parking, checkpointing, waiting for resume) runs in the training thread
-inside `safepoint`, so tensors are only touched between steps, never concurrently with them.
+sets. Everything else (parking, checkpointing, waiting for resume, measuring the device memory
+the attached tensors hold) runs in the training thread inside `safepoint`, so tensors are only
+touched between steps, never concurrently with them. No other thread may even read a tensor's
+`.grad` or storage: the autograd engine and optimizers change them without the GIL, and such a
+read from another thread crashed training with SIGSEGV (issue 10). The usage heartbeat therefore
+only asks for a measurement (the same flag) and reports what the last safepoint measured.
 
 Pause state machine (guarded by one condition variable; the reader thread only flips flags):
 
@@ -72,6 +76,7 @@ class Job:
     __slots__ = (
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
+        "_measure_req", "_owner", "restore_note",
     )
     inside = True
 
@@ -82,20 +87,24 @@ class Job:
         self.restored_step: int | None = None
         self.restored_bytes = 0                  # checkpoint bytes restored at attach, and how long
         self.restore_s: float | None = None      # it took: the daemon's disk-read bandwidth sample
+        self.restore_note: str | None = None     # newer checkpoints skipped, or a requested restart
         self.config = config
         self._items = items
-        self._pending = False  # the one flag safepoint reads
+        self._pending = False  # the one flag safepoint reads: a pause or a measurement is asked for
         self._cond = threading.Condition()
         self._phase = "running"  # running | parking | parked
         self._tier_req: str | None = None
         self._resume_req = False
         self._client: Any = None
-        self._last_bytes = 0
+        self._last_bytes = 0   # device bytes the attached tensors held when last measured
+        self._measure_req = False
+        self._owner = threading.get_ident()  # the training thread (the one that attached)
         self._max_bytes: int | None = None  # cap on a RAM park's bytes (the daemon's RAM budget)
 
     # -- hot path --------------------------------------------------------------------------
     def safepoint(self, step: int) -> None:
-        """Call after each completed step. Returns at once unless a pause was asked for."""
+        """Call after each completed step. Returns at once unless a pause (or, every few
+        seconds, a measurement of device memory) was asked for."""
         self.step = step
         if self._pending:
             self._serve()
@@ -126,7 +135,7 @@ class Job:
             if self._phase == "running":
                 if self._tier_req is None:
                     return
-                self._tier_req, self._pending = None, False
+                self._tier_req, self._pending = None, self._measure_req
                 cancelled = True
             else:
                 self._resume_req = True
@@ -134,6 +143,13 @@ class Job:
                 cancelled = False
         if cancelled:
             self._send({"op": "resumed", "bytes": 0, "seconds": 0.0})
+
+    def request_measure(self) -> None:
+        """Have the next safepoint measure `device_bytes` (what the usage heartbeat does)."""
+        with self._cond:
+            self._measure_req = True
+            if self._phase == "running":
+                self._pending = True
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         if msg["op"] == "pause":
@@ -144,15 +160,16 @@ class Job:
 
     # -- the slow path (training thread) ---------------------------------------------------
     def _serve(self) -> None:
-        from gpuswap.runtime import pausing
-
         with self._cond:
             tier, self._tier_req = self._tier_req, None
-            self._pending = False
-            self._resume_req = False
-            if tier is None:
-                return
-            self._phase = "parking"
+            self._pending = self._resume_req = self._measure_req = False
+            if tier is not None:
+                self._phase = "parking"
+        if tier is None:
+            self._measure()
+            return
+        from gpuswap.runtime import pausing
+
         try:
             pausing.serve(self, tier)
         finally:
@@ -160,7 +177,8 @@ class Job:
                 if self._phase != "running":  # a failed park: drop what came in meanwhile
                     self._phase = "running"
                     self._tier_req, self._resume_req = None, False
-                self._pending = self._tier_req is not None
+                self._pending = self._tier_req is not None or self._measure_req
+        self._measure()  # running again (resumed, or the park failed): what it holds now
 
     def _mark_running(self) -> None:
         """Resumed: from now on a new pause request is served at the next safepoint."""
@@ -170,6 +188,7 @@ class Job:
     def _mark_parked(self) -> None:
         with self._cond:
             self._phase = "parked"
+            self._last_bytes = 0
 
     def _wait_request(self) -> str:
         """Block while parked until 'resume' or 'disk' is asked for."""
@@ -189,25 +208,43 @@ class Job:
         return client.send(msg) if client is not None else False
 
     def device_bytes(self) -> int:
-        """Device memory held by the attached tensors (0 while parked)."""
+        """Device memory held by the attached tensors (0 while parked).
+
+        Measured now when called from the thread that attached (the training thread, between
+        steps); from any other thread, the value the last measurement found (at attach, at a
+        pause or resume, or at the safepoint after the usage heartbeat asked): reading tensors
+        while a step runs in another thread can crash the process."""
+        if self.parked:
+            return 0
+        if threading.get_ident() == self._owner:
+            return self._measure()
+        return self._last_bytes
+
+    def _measure(self) -> int:
+        """Walk the attached tensors. Training thread only (see the module docstring)."""
         from gpuswap.runtime.parking import device_bytes
 
-        for _ in range(3):
-            try:
-                self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
-                break
-            except RuntimeError:  # a dict changed size under us; the training thread is busy
-                continue
+        try:
+            self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
+        except RuntimeError:  # a container changed size under us (a thread of the user's): keep the last
+            pass
         return self._last_bytes
 
     def _hello(self) -> dict[str, Any]:
-        return {"op": "hello", "pid": os.getpid(), "device_bytes": self.device_bytes(),
+        # Sent from the reader thread: the last measurement, never a walk of the tensors.
+        return {"op": "hello", "pid": os.getpid(), "device_bytes": 0 if self.parked else self._last_bytes,
                 "restored_step": self.restored_step, "restored_bytes": self.restored_bytes,
-                "restore_s": self.restore_s, "job_id": self.config.job_id, "parked": self.parked}
+                "restore_s": self.restore_s, "restore_note": self.restore_note,
+                "job_id": self.config.job_id, "parked": self.parked}
 
     def _usage(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"op": "usage", "device_bytes": self.device_bytes(), "step": self.step,
-                               "parked": self.parked}
+        """The heartbeat (usage thread): reports the last measurement and asks the next
+        safepoint for a new one. Allocator counters are safe to read from any thread."""
+        parked = self.parked
+        msg: dict[str, Any] = {"op": "usage", "device_bytes": 0 if parked else self._last_bytes,
+                               "step": self.step, "parked": parked}
+        if not parked:
+            self.request_measure()
         torch = sys.modules.get("torch")
         if torch is not None and not self.config.simulated and torch.cuda.is_available() \
                 and torch.cuda.is_initialized():
@@ -278,6 +315,7 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
         pausing.restore_latest(job)
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given
+    job._measure()  # what `hello` reports: the reader thread must not walk the tensors itself
     if _active is not None:
         _active.close()
     _active = job

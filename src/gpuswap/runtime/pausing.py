@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gpuswap.runtime import checkpoint, objects, parking, rng
 
 if TYPE_CHECKING:
-    from gpuswap.runtime.handle import Job
+    from gpuswap.runtime.handle import Job, RuntimeConfig
 
 
 def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
@@ -78,12 +78,13 @@ def serve(job: "Job", tier: str) -> None:
         _error(job, "disk pause", RuntimeError("no $GPUSWAP_CKPT_DIR for this job"))
         return
     cap, job._max_bytes = job._max_bytes, None
-    if tier == "ram" and cap is not None and job.device_bytes() > cap:
+    held = job._measure() if tier == "ram" and cap is not None else None
+    if held is not None and held > cap:
         if not job.config.ckpt_dir:
             job._mark_running()
-            _error(job, "park to ram", RuntimeError(f"{job.device_bytes()} bytes exceed the RAM budget's {cap}"))
+            _error(job, "park to ram", RuntimeError(f"{held} bytes exceed the RAM budget's {cap}"))
             return
-        print(f"gpuswap: {job.device_bytes()} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
+        print(f"gpuswap: {held} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
               file=sys.stderr, flush=True)
         tier = "disk"
     t0 = time.perf_counter()
@@ -129,12 +130,13 @@ def _unpark_or_report(job: "Job", park: parking.RamPark) -> bool:
 def restore_latest(job: "Job") -> None:
     """At attach: restore the newest good checkpoint in place, if there is one. The time it took
     (read, verify, load, copy into the objects) goes to the daemon with `hello`: it is what a
-    disk-tier resume costs, the sample the daemon's disk-read bandwidth is learned from."""
+    disk-tier resume costs, the sample the daemon's disk-read bandwidth is learned from.
+    Checkpoints that exist but none usable end the job (see `checkpoint.choose`)."""
     t0 = time.perf_counter()
-    found = checkpoint.load_latest(job.config.ckpt_dir)
-    if found is None:
+    info, payload = choose_or_exit(job.config)
+    job.restore_note = _last_note
+    if info is None or payload is None:
         return
-    info, payload = found
     warnings = objects.restore(job._items, payload["objects"])
     job.state.clear()
     job.state.update(payload.get("user_state") or {})
@@ -146,3 +148,28 @@ def restore_latest(job: "Job") -> None:
         print(f"gpuswap: {w}", file=sys.stderr, flush=True)
     print(f"gpuswap: restored checkpoint seq {info.seq} (step {info.step}); "
           f"resuming at step {job.start_step}", file=sys.stderr, flush=True)
+
+
+_last_note: str | None = None
+
+
+def choose_or_exit(config: "RuntimeConfig") -> tuple[Any, Any]:
+    """`checkpoint.choose` for this job; the note (fallback or restart) is printed and kept for
+    `hello`. If no checkpoint is usable and no restart was asked for, the supervisor is told why
+    (`restore_failed`) and the process exits 1: a silent restart from step 0 would look like
+    a resume. Used by `attach` and by the Lightning/Hugging Face callbacks before it."""
+    global _last_note
+    try:
+        info, payload, note = checkpoint.choose(config.ckpt_dir)
+    except checkpoint.NoUsableCheckpoint as exc:
+        text = f"cannot resume: {exc}"
+        print(f"gpuswap: {text}", file=sys.stderr, flush=True)
+        if config.control:
+            from gpuswap.runtime.client import send_once
+
+            send_once(config.control, {"op": "restore_failed", "message": text[:2000]})
+        raise SystemExit(1) from None
+    if note:
+        print(f"gpuswap: {note}", file=sys.stderr, flush=True)
+    _last_note = note
+    return info, payload
