@@ -119,12 +119,15 @@ def test_metrics_count_a_spill_to_disk_and_the_disk_restart(make_daemon, home):
 
 def test_overview_and_top_once_show_the_parked_job(preempted):
     web, long_id, urgent, _ = preempted
+    held = f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)"
+    # The round that preempts says "given to job N this round"; the next ones say it holds GPU 0.
+    web.daemon.until(long_id, lambda j: held in (j.get("pending_reason_text") or ""))
     with web.http(web.token()) as c:
         o = c.get("/v1/overview").json()
     j = next(j for j in o["jobs"] if j["id"] == long_id)
     assert j["state"] == "PAUSED" and j["tier"] == "ram" and j["parked_bytes"] > 0
     assert j["pending_reason"] == "Priority", j     # the policy's own reason: the urgent job holds its GPU
-    assert f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)" in j["pending_reason_text"]
+    assert held in j["pending_reason_text"]
     assert o["gpus"][0]["jobs"] == [urgent] and o["ram"]["parked"] == j["parked_bytes"]
     assert o["fair_share"][0]["user"] == "root"
     out = web.daemon.cli("top", "--once")

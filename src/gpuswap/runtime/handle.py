@@ -166,8 +166,10 @@ class Job:
             if tier is not None:
                 self._phase = "parking"
         if tier is None:
-            self._measure()
-            return
+            told = self._last_bytes
+            if self._measure() != told:     # report a change now, not a heartbeat later: the
+                self._send(self._usage_msg())   # policy sizes parks by it (a young job's optimizer
+            return                              # state appears only at its first step)
         from gpuswap.runtime import pausing
 
         try:
@@ -239,12 +241,17 @@ class Job:
 
     def _usage(self) -> dict[str, Any]:
         """The heartbeat (usage thread): reports the last measurement and asks the next
-        safepoint for a new one. Allocator counters are safe to read from any thread."""
+        safepoint for a new one."""
+        msg = self._usage_msg()
+        if not msg["parked"]:
+            self.request_measure()
+        return msg
+
+    def _usage_msg(self) -> dict[str, Any]:
+        """A usage report from what was last measured (any thread: allocator counters are safe)."""
         parked = self.parked
         msg: dict[str, Any] = {"op": "usage", "device_bytes": 0 if parked else self._last_bytes,
                                "step": self.step, "parked": parked}
-        if not parked:
-            self.request_measure()
         torch = sys.modules.get("torch")
         if torch is not None and not self.config.simulated and torch.cuda.is_available() \
                 and torch.cuda.is_initialized():
@@ -316,6 +323,7 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given
     job._measure()  # what `hello` reports: the reader thread must not walk the tensors itself
+    job.request_measure()   # and again at the first safepoint, once the first step made the optimizer's state
     if _active is not None:
         _active.close()
     _active = job
