@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate, train_cmd
 
 STEPS = 5000
 
@@ -55,10 +55,12 @@ def test_no_usable_checkpoint_fails_with_reason_and_keeps_files(daemon, home):
 
 def test_restart_when_asked_says_step_0_and_why(daemon, home, monkeypatch):
     monkeypatch.setenv("GPUSWAP_RESTART_ON_BAD_CHECKPOINT", "1")  # the job's env copies os.environ
-    job = daemon.submit(train_cmd(home / "r.json", 150, 0.02), name="restart")
+    gate = Gate(home / "gate")     # the job cannot finish before the test has parked it
+    job = daemon.submit(gate.train(home / "r.json", 150, 0.02), name="restart")
     _park_to_disk(daemon, job, 5)
     manifest = next(_ckpt(home, job).glob("ckpt-*.json"))
     manifest.write_text("{not json")
+    gate.open()
     assert daemon.cli("resume", str(job)).returncode == 0
     done = daemon.state(job, "COMPLETED", "FAILED", "CANCELLED", timeout=120)
     assert done["state"] == "COMPLETED", _reasons(done)
