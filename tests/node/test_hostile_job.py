@@ -20,6 +20,7 @@ import pytest
 
 from gpuswap.fsutil import atomic_write_bytes, atomic_write_json
 from gpuswap.node.supervisor import MAX_BAD
+from gpuswap_testing import AsUser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second user's job (nobody)")
 HERE = Path(__file__).parent
@@ -30,31 +31,17 @@ TWO_GPUS = ("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
 
 
 def as_nobody(home: Path, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any]:
-    """One API request from a forked child that has become `nobody` (a genuinely other SO_PEERCRED)."""
+    """One API request as `nobody` (a genuinely other SO_PEERCRED): (status, body)."""
     pw = pwd.getpwnam("nobody")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
-                              base_url="http://x", timeout=60) as c:
-                resp = c.request(method, path, json=body)
-                out = json.dumps([resp.status_code, resp.json()])
-        except BaseException as e:  # report anything to the parent
-            out = json.dumps([-1, repr(e)])
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return tuple(json.loads(data))  # type: ignore[return-value]
+
+    def request() -> list[Any]:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
+                          base_url="http://x", timeout=60) as c:
+            resp = c.request(method, path, json=body)
+            return [resp.status_code, resp.json()]
+
+    out = AsUser(pw.pw_uid, pw.pw_gid).call(request)
+    return (-1, out) if isinstance(out, dict) else tuple(out)  # type: ignore[return-value]
 
 
 def others_job_runs_and_cancels_apply(daemon, victim: int, failures_logged: int = 0) -> None:
