@@ -17,12 +17,11 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 def auto_workers(cores: int, load: float) -> int:
     """xdist workers for `cores` usable cores with `load` (1-minute load average) already on them.
-    A test mostly waits on its daemon and jobs (a CLI call or a training step is short CPU work),
-    so 1.5 workers per idle core keep the cores busy without queueing every process behind the
-    others; the cores other work already uses are not counted. At least 2 (the slowest files run
-    side by side), at most 8 (beyond that the daemons' start-up and the xdist overhead dominate)."""
-    free = max(0.0, cores - load)
-    return max(2, min(8, round(1.5 * free)))
+    Tests wait on facts, never on a window of time, so the count changes only the speed. A test
+    mostly waits on its daemon and jobs, so two workers per core keep the cores busy; each process
+    already running elsewhere takes one worker's place. At least 2 (the slowest files run side by
+    side), at most 8 (beyond that the daemons' start-up and the xdist overhead dominate)."""
+    return max(2, min(8, round(2 * cores - load)))
 
 
 def has_gpu() -> bool:

@@ -62,8 +62,9 @@ def test_no_test_module_runs_an_installer():
 def test_worker_count_fits_the_machine():
     from gpuswap_testing import auto_workers
 
-    assert auto_workers(2, 0.0) == 3          # an idle 2-core machine
+    assert auto_workers(2, 0.0) == 4          # an idle 2-core machine
+    assert auto_workers(2, 1.2) == 3          # just after the install step
     assert auto_workers(2, 2.0) == 2          # two CPU hogs already there: the floor
     assert auto_workers(2, 9.0) == 2
-    assert auto_workers(4, 1.0) == 4
+    assert auto_workers(4, 1.0) == 7
     assert auto_workers(64, 0.0) == 8         # the ceiling

@@ -158,7 +158,7 @@ def test_pinned_copy_calibration_on_a_real_gpu():
 def test_disk_restore_teaches_read_bandwidth_and_a_restart_keeps_it(make_daemon, home):
     """A real disk park and restore (a ~24 MB checkpoint): the job's runtime times the restore,
     the daemon folds it into disk_read_bps, says so in the event, and remembers it after a restart."""
-    d = make_daemon()
+    d = make_daemon(calibrate=True)
     gate = Gate(home / "go")     # never opened: the job is cancelled, it must not end before that
     job = d.submit(gate.train(home / "r.json", 400, 0.02, hidden=1400), name="r")
     d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and (j["step"] or 0) >= 3)

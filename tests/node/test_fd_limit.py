@@ -22,7 +22,7 @@ def _low_fd_limit() -> None:   # in the daemon's child process only
 
 
 def start_low_fd_daemon(home) -> Daemon:
-    d = Daemon(home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--max-switch-fraction", "1"])
+    d = Daemon(home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--max-switch-fraction", "1", "--no-calibrate"])
     d.proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", *d.args], env=d.env,
                               stdout=open(home / "daemon.out", "ab"), stderr=subprocess.STDOUT,
                               preexec_fn=_low_fd_limit)

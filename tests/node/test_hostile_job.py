@@ -88,6 +88,9 @@ def test_hostile_control_messages_cost_only_that_job(make_daemon, home):
     # The valid report between the hostile ones is taken; nothing hostile reached the record.
     j = daemon.until(job, lambda j: j["step"] == hostile_job.MARK_STEP)
     assert j["state"] == "RUNNING" and j["device_bytes"] == 2 << 30 and j["runtime_attached"], j
+    # The job writes its report after it sees the junk connection closed, which can come after
+    # the supervisor counted the rejections: wait for the file, not for a moment.
+    daemon.until(job, lambda _: out.exists())
     assert json.loads(out.read_text()) == {"sent": len(hostile_job.HOSTILE), "junk_connection_closed": True}
     log = (run / "supervisor.log").read_text()
     assert log.count("ignored an invalid control message") == 2, log   # once per connection

@@ -257,7 +257,7 @@ def test_a_home_near_the_socket_path_limit_still_reaches_its_control_sockets(hom
     long_home = home / ("h" * (107 - len(str(home)) - len("/gpuswap.sock") - 1))
     assert len(str(long_home / "gpuswap.sock")) == 107
     long_home.mkdir()
-    d = Daemon(long_home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--max-switch-fraction", "1"])
+    d = Daemon(long_home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--max-switch-fraction", "1", "--no-calibrate"])
     try:
         d.start()
         job = d.submit(train_cmd(home / "out.json", 20, 0.05))

@@ -30,7 +30,7 @@ def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
     switch-time cap, the reason says so with its numbers, in ls, show and the overview, an event
     records it, and once the cap allows it the low job is parked and the urgent one runs."""
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--max-switch-fraction", "0.5",
-                    "--ram-budget", "64GiB")
+                    "--ram-budget", "64GiB", calibrate=True)
     # The switch cost is the move at this machine's bandwidth: wait for its calibration (at start).
     d.until(0, lambda g: g["bandwidths"]["ram_park_bps"]["source"].startswith("calibrated"), get="/v1/gpus")
     low = d.submit(SLEEP, name="low", priority="low", gpus=2, mem="8GiB")

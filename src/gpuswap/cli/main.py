@@ -103,6 +103,9 @@ def build_parser() -> Parser:
     s.add_argument("--retention", type=_duration, default=30 * 86400.0, metavar="DURATION",
                    help="forget finished jobs this long after they end: record, events, output.log and "
                         "job directory (e.g. 30d, 12h, never; default 30d)")
+    s.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="do not time a 128 MiB disk write and RAM copies at start: switch costs start from "
+                        "defaults (or figures learned from earlier moves) and are refined by real moves")
     s.set_defaults(func=cmd_server)
 
     s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...")
@@ -187,7 +190,7 @@ def cmd_server(a: argparse.Namespace) -> int:
                             pause_timeout_s=a.pause_timeout,
                             no_runtime=a.no_runtime, ram_budget=a.ram_budget, admin_group=a.admin_group,
                             listen=a.listen, dcgm_job_mapping_dir=a.dcgm_job_mapping_dir,
-                            retention_s=a.retention))
+                            retention_s=a.retention, calibrate=a.calibrate))
     except OptionError as e:
         print(f"gpuswap server: {e}", file=sys.stderr)
         return EX_USAGE

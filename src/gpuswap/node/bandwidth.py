@@ -4,7 +4,8 @@ SwitchCosts. Every figure carries its source, which `gpuswap gpus` shows:
   default      SwitchCosts' constant: nothing better is known yet
   calibrated   timed at daemon start, off the start path: a 128 MiB write+fsync and read in the
                home (disk tier); on real GPUs pinned host<->device copies of 256 MiB through the
-               CUDA driver (RAM tier; needs cuda-bindings), on simulated ones a host memcpy
+               CUDA driver (RAM tier; needs cuda-bindings), on simulated ones a host memcpy;
+               skipped under `gpuswap server --no-calibrate`
   measured     refined from real parks, resumes and checkpoints (exponentially weighted)
   learned      refined from real moves before the daemon's last restart: the figures are kept in
                SQLite and reloaded at start, so a restart does not forget what the machine did
@@ -179,11 +180,13 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _memcpy_bandwidth() -> float:
-    import numpy as np
-
-    src = np.ones(CALIBRATION_BYTES // 8)
-    dst = np.empty_like(src)
-    return CALIBRATION_BYTES / _best(lambda: np.copyto(dst, src), 3)
+    """A host memcpy (memoryview slice assignment is one memcpy); both buffers are touched first so
+    the timed copies measure copying, not page faults."""
+    src = bytearray(b"\x01") * CALIBRATION_BYTES
+    dst = bytearray(CALIBRATION_BYTES)
+    s, d = memoryview(src), memoryview(dst)
+    d[:] = s
+    return CALIBRATION_BYTES / _best(lambda: d.__setitem__(slice(None), s), 3)
 
 
 def _disk_bandwidth(home: Path) -> tuple[float, float]:

@@ -48,6 +48,7 @@ class ServerOptions:
     listen: Optional[str] = None      # HOST:PORT for a TCP listener with bearer tokens
     dcgm_job_mapping_dir: Optional[Path] = None   # dcgm-exporter --hpc-job-mapping-dir
     retention_s: Optional[float] = 30 * 86400     # forget finished jobs this long after they end; None: never
+    calibrate: bool = True            # time disk and RAM moves at start (bandwidth.py)
 
 
 def check_options(opts: ServerOptions) -> None:
@@ -168,8 +169,9 @@ def serve(opts: ServerOptions) -> None:
     bandwidths = Bandwidths(store)   # what earlier runs learned from real moves, reloaded
     # Calibration takes a second or so of disk I/O (and pinned copies on a real GPU): serve
     # meanwhile, with what is known until it lands.
-    threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
-                     daemon=True).start()
+    if opts.calibrate:
+        threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
+                         daemon=True).start()
     config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s,
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
                                                          max_switch_fraction=opts.max_switch_fraction), no_runtime=opts.no_runtime,

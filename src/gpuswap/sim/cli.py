@@ -9,9 +9,6 @@ from typing import Any
 from gpuswap.jobs import parse_size
 from gpuswap.policy import POLICIES
 from gpuswap.policy.model import PolicyConfig
-from gpuswap.sim.costmodel import parse_cost_model
-from gpuswap.sim.engine import Cluster, SimError, simulate
-from gpuswap.sim.trace import TraceError, load
 
 EX_USAGE = 64
 EX_SOFTWARE = 70
@@ -50,6 +47,12 @@ def _usage(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: every `gpuswap` call registers this verb, and the engine's
+    # imports (numpy among them) cost each CLI call ~0.1 s of CPU. A broken import still fails loudly.
+    from gpuswap.sim.costmodel import parse_cost_model
+    from gpuswap.sim.engine import Cluster, SimError, simulate
+    from gpuswap.sim.trace import TraceError, load
+
     policies = list(POLICIES) if args.compare else [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
