@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
 import pytest
 
 from gpuswap.fsutil import atomic_write_bytes, atomic_write_json
@@ -33,15 +32,7 @@ TWO_GPUS = ("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
 def as_nobody(home: Path, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any]:
     """One API request as `nobody` (a genuinely other SO_PEERCRED): (status, body)."""
     pw = pwd.getpwnam("nobody")
-
-    def request() -> list[Any]:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
-                          base_url="http://x", timeout=60) as c:
-            resp = c.request(method, path, json=body)
-            return [resp.status_code, resp.json()]
-
-    out = AsUser(pw.pw_uid, pw.pw_gid).call(request)
-    return (-1, out) if isinstance(out, dict) else tuple(out)  # type: ignore[return-value]
+    return AsUser(pw.pw_uid, pw.pw_gid).api(home, method, path, body)
 
 
 def others_job_runs_and_cancels_apply(daemon, victim: int, failures_logged: int = 0) -> None:

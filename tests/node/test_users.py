@@ -10,41 +10,22 @@ import os
 import pwd
 from typing import Any, Optional
 
-import httpx
 import pytest
 
+import gpuswap_testing
 from gpuswap_testing import Gate
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
 
 
 class AsUser:
+    """One user's raw API requests on `home`'s socket (the shared fork helper does the switch)."""
+
     def __init__(self, home, uid: int, gid: int):
-        self.sock, self.uid, self.gid = str(home / "gpuswap.sock"), uid, gid
+        self.home, self.user = home, gpuswap_testing.AsUser(uid, gid)
 
     def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any]:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:   # child: become the other user, make one request, report, exit
-            try:
-                os.close(r)
-                os.setgroups([])
-                os.setgid(self.gid)
-                os.setuid(self.uid)
-                with httpx.Client(transport=httpx.HTTPTransport(uds=self.sock), base_url="http://x") as c:
-                    resp = c.request(method, path, json=body)
-                    out = json.dumps([resp.status_code, resp.json()])
-            except BaseException as e:  # report anything to the parent
-                out = json.dumps([-1, repr(e)])
-            os.write(w, out.encode())
-            os._exit(0)
-        os.close(w)
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-        os.close(r)
-        os.waitpid(pid, 0)
-        return tuple(json.loads(data))
+        return self.user.api(self.home, method, path, body)
 
 
 @pytest.fixture
@@ -60,7 +41,7 @@ def test_job_runs_as_submitting_user(daemon, nobody):
     j = daemon.state(rec["id"], "COMPLETED")
     assert j["user"] == "nobody"
     out = daemon.cli("logs", str(rec["id"])).stdout.split()
-    assert out == [str(nobody.uid), str(nobody.gid)]
+    assert out == [str(nobody.user.uid), str(nobody.user.gid)]
 
 
 def test_users_see_and_act_on_their_own_jobs_only(daemon, nobody):
