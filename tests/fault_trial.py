@@ -36,7 +36,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpuswap_testing import TERMINAL, Daemon, train_cmd  # noqa: E402
+from gpuswap_testing import TERMINAL, Daemon, Gate, train_cmd  # noqa: E402
 
 from gpuswap.api.client import ClientError  # noqa: E402
 
@@ -247,10 +247,13 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
         f"{len(requests)} hostile requests")
     expected: dict[int, tuple[str, int]] = {}
     release = home / "release"
+    # The training job holds near its end until the scenario has been played out (a 3 s job on a
+    # loaded machine could otherwise finish before it was ever preempted or paused).
+    low_gate = Gate(home / "low-gate")
     try:
         d.start()
         _send_requests(home, requests, counts)
-        low = _retry(lambda: d.submit(train_cmd(home / "low.json", STEPS, STEP_TIME, HIDDEN), name="low",
+        low = _retry(lambda: d.submit(low_gate.train(home / "low.json", STEPS, STEP_TIME, HIDDEN), name="low",
                                       priority="low"))
         expected[low] = ("COMPLETED", 0)
         if target == "submitted":   # acknowledged means durable: kill before anything else happens
@@ -286,6 +289,7 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
                 _retry(lambda: d.until(low, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk",
                                        timeout=120))
             _retry(lambda: d.client.post(f"/v1/jobs/{low}/resume"))
+        low_gate.open()
         killer.done.wait(180)
         if killer.error is not None:
             counts.problems.append(f"trial {seed}: killer: {killer.error!r}")
@@ -295,6 +299,7 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
         counts.problems.append(f"trial {seed} ({scenario}, kill at {target}): {type(e).__name__}: {e}"[:2000])
     finally:
         release.touch()
+        low_gate.open()
         d.stop()
         counts.leftover_processes += _leftovers(home, counts.problems, seed)
         if mounted:
