@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,3 +186,24 @@ def test_disk_restore_teaches_read_bandwidth_and_a_restart_keeps_it(make_daemon,
         time.sleep(0.2)
     shown = d.cli("gpus").stdout
     assert "(learned: 1 real move(s)" in shown and "(calibrated: host memcpy, simulated GPU)" in shown, shown
+
+
+def test_a_job_that_lies_about_its_speed_teaches_no_bandwidth(make_daemon, home):
+    """A park of 8 GiB "in 1 microsecond" (8.6 PB/s) is a lie: folded in, every later switch would
+    look free to the policy. It is ignored, and the figures keep their source."""
+    import liar_job
+
+    d = make_daemon("--simulate-gpus", "1x80GiB", "--ram-budget", "64GiB")
+    job = d.submit([sys.executable, str(Path(__file__).parent / "liar_job.py")], name="liar")
+    d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    before = d.client.get("/v1/gpus")["bandwidths"]
+    assert d.cli("pause", str(job), "--to", "ram").returncode == 0
+    parked = d.state(job, "PAUSED")
+    assert parked["parked_bytes"] == liar_job.LIE_BYTES, parked     # the lie reached the record...
+    assert d.cli("resume", str(job)).returncode == 0
+    d.state(job, "RUNNING")
+    after = d.client.get("/v1/gpus")["bandwidths"]
+    for field in ("ram_park_bps", "ram_resume_bps"):                 # ...but taught nothing
+        assert after[field] == before[field], (field, before[field], after[field])
+    assert d.cli("cancel", str(job)).returncode == 0
+    d.state(job, "CANCELLED")

@@ -116,3 +116,33 @@ def test_a_bad_status_file_costs_only_its_job(make_daemon, home, corruption):
         j = daemon.until(job, lambda j: j["runtime_attached"])   # the valid fields are taken
         assert j["device_bytes"] == 0 and j["step"] is None, j
     others_job_runs_and_cancels_apply(daemon, job, failures_logged=1 if corruption == "not JSON" else 0)
+
+
+def test_a_flood_of_valid_reports_costs_a_bounded_number_of_status_writes(make_daemon, home):
+    """Valid messages are untrusted too: 100,000 usage reports as fast as a job can send them are
+    folded into status.json at most every USAGE_WRITE_S (each write is an fsync that every job on
+    the disk would wait behind), and the last report still lands."""
+    import flood_job
+
+    daemon = make_daemon(*TWO_GPUS)
+    sent = home / "flood.sent"
+    job = daemon.submit([sys.executable, str(HERE / "flood_job.py"), str(sent), "100000"])
+    run = home / "jobs" / str(job) / "run-1"
+    daemon.until(job, lambda _: (run / "status.json").exists() and
+                 json.loads((run / "status.json").read_text())["runtime"].get("attached"))
+    pid = json.loads((run / "status.json").read_text())["supervisor_pid"]
+
+    def writes() -> int:   # write(2) calls the supervisor has made (its status.json, its log)
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("syscw:"):
+                return int(line.split()[1])
+        raise AssertionError("no syscw in /proc/PID/io")
+
+    before = writes()
+    daemon.until(job, lambda _: sent.exists())
+    j = daemon.until(job, lambda j: j["step"] == flood_job.LAST_STEP)
+    assert j["device_bytes"] == 3 << 30 and j["state"] == "RUNNING", j
+    # One write per report would be 100,000; two a second for as long as the flood lasts is far below.
+    assert writes() - before < 2000, writes() - before
+    daemon.cli("cancel", str(job))
+    daemon.state(job, "CANCELLED")

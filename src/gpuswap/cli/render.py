@@ -36,16 +36,23 @@ def print_json(obj: Any) -> None:
 
 
 def duration(seconds: float | None) -> str:
+    """"4.2s", "45s", "3m 05s", "2h 10m", "7 days", "1 day 3h": the two largest units, a zero second
+    one dropped (the dashboard's `dur` in app.js says the same)."""
     if seconds is None:
         return "-"
     s = int(seconds)
     if s < 60:
         return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+
+    def two(big: int, unit: str, small: int, small_unit: str) -> str:
+        return f"{big}{unit} {small:02d}{small_unit}" if small else f"{big}{unit}"
+
     if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
+        return two(s // 60, "m", s % 60, "s")
     if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+        return two(s // 3600, "h", s % 3600 // 60, "m")
+    days, hours = s // 86400, s % 86400 // 3600
+    return f"{days} day{'' if days == 1 else 's'}" + (f" {hours}h" if hours else "")
 
 
 def state_text(j: dict[str, Any]) -> str:

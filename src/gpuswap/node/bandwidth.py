@@ -31,6 +31,10 @@ CALIBRATION_BYTES = 128 * 2**20
 PINNED_CALIBRATION_BYTES = 256 * 2**20
 SMOOTHING = 0.3            # weight of a new observation
 MIN_OBSERVED_BYTES = 16 * 2**20   # smaller moves are dominated by fixed costs, not bandwidth
+# No move of a job's memory is faster than this (H100 HBM3 is 3.35 TB/s on the device itself; a
+# host<->device copy tops out near 0.45 TB/s even over Grace Hopper's NVLink-C2C). A report above
+# it is a lie or a broken clock: folded in, it would make every later switch look free.
+MAX_PLAUSIBLE_BPS = 1e12
 
 
 @dataclass
@@ -89,6 +93,9 @@ class Bandwidths:
         if not seconds or seconds <= 0 or nbytes < MIN_OBSERVED_BYTES:
             return
         bps = nbytes / seconds
+        if bps > MAX_PLAUSIBLE_BPS:
+            log.warning("ignored an implausible %s move: %d bytes in %g s", field, nbytes, seconds)
+            return
         with self._lock:
             m = self.m[field]
             n = m.samples + 1

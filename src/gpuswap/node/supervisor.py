@@ -41,6 +41,8 @@ CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
 MAX_BAD = 64          # invalid control messages one connection may send before it is closed
 MAX_COMPLAINTS = 20   # supervisor.log lines about them, for the supervisor's whole life
+USAGE_WRITE_S = 0.5   # usage reports reach status.json at most this often: each write is an fsync,
+                      # and a job may send thousands of valid reports a second
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -71,7 +73,9 @@ class Supervisor:
         self._desired_mtime: Optional[int] = None
         self.desired: dict[str, Any] = {"run": "running"}
         self._complaints = 0
-        self._unsaved = False
+        self._unsaved = False         # status changed (or a write failed) and is not on disk yet
+        self._written_at = 0.0        # monotonic time of the last status.json write
+        self._write_failed = False    # said once in supervisor.log until a write succeeds again
 
     # -- status -----------------------------------------------------------------------------
     def write_status(self) -> bool:
@@ -81,12 +85,17 @@ class Supervisor:
             try:
                 atomic_write_json(self.run_dir / "status.json", self.status)
             except OSError as e:
-                if not self._unsaved:
+                if not self._write_failed:
                     self.log(f"cannot write status.json ({e.strerror or e}); retrying")
-                self._unsaved = True
+                self._unsaved = self._write_failed = True
                 return False
-            self._unsaved = False
+            self._unsaved = self._write_failed = False
+            self._written_at = time.monotonic()
             return True
+
+    def _write_due(self) -> bool:
+        """Whether a held-back usage report (or a failed write) should be written now."""
+        return self._unsaved and time.monotonic() - self._written_at >= USAGE_WRITE_S
 
     def log(self, text: str) -> None:
         path = self.run_dir / "supervisor.log"
@@ -251,6 +260,9 @@ class Supervisor:
                     rt["device_bytes"] = msg.device_bytes
             elif isinstance(msg, messages.Usage):
                 rt.update(device_bytes=msg.device_bytes, step=msg.step)
+                self._unsaved = True      # folded into the next write (USAGE_WRITE_S): nothing to reconcile
+                if not self._write_due():
+                    return
             elif isinstance(msg, messages.Paused):
                 rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
                           step=msg.step, pause_s=msg.seconds, device_bytes=0)
@@ -364,7 +376,7 @@ class Supervisor:
             time.sleep(POLL_S)
             self.read_desired()
             self.reconcile()
-            if self._unsaved:
+            if self._write_due():
                 self.write_status()
         while sessions.kill(pid, self.status.get("job_start_ticks")):
             time.sleep(POLL_S)     # until none is left: its GPUs are free only then
