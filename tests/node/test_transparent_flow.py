@@ -245,3 +245,14 @@ def test_driver_reporting_failed_state_stops_the_job(world):
     driver.states[pid] = "failed"
     drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.cancel_requested)
     assert "reports the job's CUDA state as failed" in events(store, job_id)[-1]
+
+
+def test_migration_map_is_a_permutation_of_every_gpu():
+    """The driver wants every GPU mapped, each exactly once (CUDA docs, NVIDIA's migration tests,
+    cuda-checkpoint#35); a 2-GPU job moving from 0,1 to 1,2 used to map two GPUs onto GPU 1."""
+    from gpuswap.node.transparent import gpu_permutation
+    assert gpu_permutation([0, 1], [0], [1]) == {0: 1, 1: 0}
+    for home, assigned in (([0, 1], [1, 2]), ([3], [0]), ([0, 2], [2, 0]), ([1], [1])):
+        perm = gpu_permutation([0, 1, 2, 3], home, assigned)
+        assert sorted(perm) == sorted(perm.values()) == [0, 1, 2, 3], perm
+        assert all(perm[h] == a for h, a in zip(home, assigned))
