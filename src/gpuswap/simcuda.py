@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,13 +83,17 @@ class SimDevice:
     def registration(self, pid: int) -> Optional[Registration]:
         """pid's registration if it is a living simulated CUDA process (whatever its driver state)."""
         path = self.procs / f"{int(pid)}.json"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:   # a user's entry: never follow a link or wait on a FIFO planted under that name
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
         try:
-            owner = os.fstat(fd).st_uid
-            raw = os.read(fd, 4096)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            owner, raw = st.st_uid, os.read(fd, 4096)
+        except OSError:
+            return None
         finally:
             os.close(fd)
         try:

@@ -171,3 +171,46 @@ def test_transparent_only_job_is_not_parked_to_disk(daemon, home):
     j = daemon.client.get(f"/v1/jobs/{plain}")
     assert j["state"] == "RUNNING" and j["parked"] is None
     daemon.cli("cancel", str(plain))
+
+
+def test_daemon_killed_while_a_job_is_frozen_thaws_it_from_its_record(daemon, home):
+    """kill -9 of the daemon while the job is frozen: NVML lists nothing of it, so the restarted
+    daemon thaws it from the pids and footprint recorded at lock time and the driver's own state."""
+    gate = Gate(home / "go")
+    cmd, ready = fake(home, 2 * GiB, gate)
+    job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], priority="low")
+    wait_file(daemon, job, ready)
+    [proc] = gpu0(daemon)["processes"]
+    assert daemon.cli("pause", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED")
+    daemon.kill9()
+    daemon.start()
+    assert gpu0(daemon)["processes"] == []
+    assert daemon.cli("resume", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    assert gpu0(daemon)["processes"] == [proc] and not any("gpuswap failed" in e["reason"] for e in j["events"])
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
+def test_simulated_device_ignores_forged_planted_and_stale_registrations(tmp_path):
+    """The registry is a world-writable directory the root daemon reads: a FIFO planted there must
+    not block it, a file naming a process its owner does not run is a forgery, a dead pid is gone."""
+    from gpuswap.simcuda import SimDevice, start_ticks
+    dev = SimDevice(tmp_path / "dev")
+    dev.prepare()
+    os.mkfifo(dev.procs / f"{os.getpid()}.json")                       # would block a plain open()
+    assert dev.registrations() == []
+    os.unlink(dev.procs / f"{os.getpid()}.json")
+    other = subprocess.Popen(["sleep", "60"], user=65534)
+    try:
+        (dev.procs / f"{other.pid}.json").write_text(json.dumps(          # root's file, nobody's process
+            {"pid": other.pid, "start": start_ticks(other.pid), "gpu": 0, "nbytes": 1}))
+        assert dev.registrations() == []
+    finally:
+        other.kill()
+        other.wait()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (dev.procs / f"{dead.pid}.json").write_text(json.dumps({"pid": dead.pid, "start": 1, "gpu": 0, "nbytes": 1}))
+    assert dev.registrations() == [] and not (dev.procs / f"{dead.pid}.json").exists()
