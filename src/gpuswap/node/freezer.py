@@ -109,6 +109,8 @@ class Freezer:
             # driver is not asked (a stopped process cannot answer it).
             if rec is not None and rec.checkpointed:
                 self._frozen(job, now, rec)
+            elif job.stopped:       # stopped without a record of the checkpoints: continue it, then ask
+                self.store.update(job.id, now, stopped=False)
             return
         if rec is None:
             procs = job_cuda_processes(pid, self.gpus)
