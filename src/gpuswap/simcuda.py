@@ -168,13 +168,14 @@ def _uid(pid: int) -> Optional[int]:
 
 
 # -- the job's side: what a CUDA program does -------------------------------------------------
-def allocate(nbytes: int, busy: bool = False) -> Registration:
-    """Become a simulated CUDA process holding `nbytes` on the first GPU of CUDA_VISIBLE_DEVICES.
-    `busy`: a kernel that never finishes, so a lock of this process times out."""
+def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
+    """Become a simulated CUDA process holding `nbytes` on CUDA device `device` (an ordinal within
+    CUDA_VISIBLE_DEVICES, as with cudaSetDevice). One GPU per process: a job on several GPUs runs
+    one such process per GPU. `busy`: a kernel that never finishes, so a lock times out."""
     root = os.environ.get(ENV_DIR)
     if not root:
         raise RuntimeError(f"{ENV_DIR} is not set: not a job on simulated GPUs")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
     reg = Registration(os.getpid(), start_ticks(os.getpid()) or 0, int(visible), int(nbytes), busy)
     path = Path(root) / "procs" / f"{reg.pid}.json"
     tmp = path.with_name(f".{reg.pid}.tmp")
