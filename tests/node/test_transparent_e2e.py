@@ -1,59 +1,156 @@
-"""Unmodified jobs (no gpuswap import) parked through the driver checkpoint path, end to end in a
-real daemon. Without a GPU the daemon uses its SIMULATED checkpoint driver, which runs the same
-state machine and really SIGSTOPs the process tree, but moves no GPU memory (there is none)."""
+"""Unmodified jobs (no gpuswap runtime) parked through the driver checkpoint path, end to end in a
+real daemon with real processes. Without a GPU the daemon uses its strict SIMULATED device and
+driver (gpuswap.simcuda, node/simdriver.py): a job's CUDA process, here a child or grandchild of
+a shell as with `bash run.sh` or `torchrun`, registers itself with the simulated device, and the
+daemon must find it as it would with NVML; once checkpointed it vanishes from the process list and
+its memory from the GPU, its CUDA calls block, and a restore without room leaves it stuck for good."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 from gpuswap_testing import Gate
 
-COUNTER = """import os, time
-for i in range(1, {n} + 1):
-    while i == {n} and {gate!r} and not os.path.exists({gate!r}):   # held before its last line
+GiB = 2**30
+
+# A CUDA program stand-in: allocates on the simulated device, then makes a CUDA call (which blocks
+# while the driver holds it) before printing each line; held before its last line by a gate.
+FAKE = """import os, sys, time
+from gpuswap import simcuda
+nbytes, n, tag, gate, ready = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+simcuda.allocate(nbytes, busy=os.environ.get("FAKE_BUSY") == "1")
+open(ready, "w").close()
+for i in range(1, n + 1):
+    while i == n and not os.path.exists(gate):
         time.sleep(0.05)
-    print(i, flush=True)
-    time.sleep({dt})
+    simcuda.sync()
+    print(f"{tag}{i}", flush=True)
+    time.sleep(0.01)
 """
 
 
-def counter(home, n=300, dt=0.02, gate=None):
-    """Prints 1..n; with a gate, it prints n only once the test has opened it (cannot end first)."""
-    script = home / "counter.py"
-    script.write_text(COUNTER.format(n=n, dt=dt, gate=str(gate.path) if gate else ""))
-    return [sys.executable, str(script)]
+def fake(home: Path, nbytes: int, gate: Gate, tag: str = "", n: int = 100) -> tuple[str, Path]:
+    """(shell command line of a fake CUDA process, the file it creates once it holds its memory)."""
+    script = home / "fake_cuda_job.py"
+    script.write_text(FAKE)
+    ready = home / f"ready{tag}"
+    return f"{sys.executable} {script} {nbytes} {n} '{tag}' {gate.path} {ready}", ready
 
 
-def test_unmodified_job_is_frozen_and_thawed(daemon, home):
-    # Both hold until the test lets them go: the counter cannot end before it is frozen, and the
-    # urgent job keeps its GPU until `ls` has shown the counter frozen.
-    gate = Gate(home / "go")
-    plain = daemon.submit(counter(home, gate=gate), name="plain", priority="low", mem="4GiB")
-    daemon.state(plain, "RUNNING")
-    urgent = daemon.submit(gate.hold(), name="urgent", priority="urgent")
+def wait_file(daemon, job_id: int, path: Path) -> None:
+    daemon.until(job_id, lambda j: path.exists() or j["state"] not in ("PENDING", "RUNNING"))
+    assert path.exists(), daemon.job(job_id)
+
+
+def gpu0(daemon) -> dict:
+    return daemon.client.get("/v1/gpus")["gpus"][0]
+
+
+def test_child_cuda_process_of_a_shell_is_frozen_and_thawed(daemon, home):
+    # The CUDA process is the shell's child (`; echo end` keeps sh from exec'ing it): the daemon is
+    # told no pid, declared 4 GiB, and finds 3 GiB in the (simulated) NVML process list.
+    gate, urgent_gate = Gate(home / "go"), Gate(home / "urgent-go")
+    cmd, ready = fake(home, 3 * GiB, gate)
+    plain = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="plain", priority="low", mem="4GiB")
+    wait_file(daemon, plain, ready)
+    [proc] = gpu0(daemon)["processes"]
+    status = json.loads((home / "jobs" / str(plain) / "run-1" / "status.json").read_text())
+    assert proc["used_bytes"] == 3 * GiB and proc["pid"] != status["job_pid"]     # a child, not the shell
+    urgent = daemon.submit(urgent_gate.hold(), name="urgent", priority="urgent")
     j = daemon.until(plain, lambda j: j["state"] == "PAUSED")
-    assert j["parked"] == "ram" and j["mechanism"] == "transparent" and j["parked_bytes"] == 4 * 2**30
-    assert "frozen transparently (SIMULATED driver)" in j["reason"]
-    assert "frozen by the driver" in daemon.cli("ls").stdout
-    sup_log = (home / "jobs" / str(plain) / "run-1" / "supervisor.log").read_text()
-    assert "SIGSTOP sent" in sup_log
-    gpus = daemon.client.get("/v1/gpus")
-    assert gpus["ram_parked"] == 4 * 2**30 and gpus["transparent"]["simulated"]
-    gate.open()
+    assert j["parked"] == "ram" and j["mechanism"] == "transparent"
+    assert j["parked_bytes"] == 3 * GiB                       # measured before the checkpoint, not --mem
+    assert "frozen transparently (SIMULATED driver)" in j["reason"] and str(proc["pid"]) in j["reason"]
+    daemon.state(urgent, "RUNNING")                           # the GPU went to the other job
+    g = gpu0(daemon)
+    assert g["processes"] == [] and g["mem_used"] == 0        # gone from NVML, its memory freed
+    assert "SIGSTOP sent" in (home / "jobs" / str(plain) / "run-1" / "supervisor.log").read_text()
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 3 * GiB
+    urgent_gate.open()
     assert daemon.cli("wait", str(urgent)).returncode == 0
-    done = daemon.state(plain, "COMPLETED", timeout=60)
-    reasons = [e["reason"] for e in done["events"]]
-    assert any(r.startswith("thawed (SIMULATED driver)") for r in reasons)
-    lines = daemon.cli("logs", str(plain)).stdout.split()
-    assert lines == [str(i) for i in range(1, 301)]      # the process went on where it stopped
+    j = daemon.until(plain, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    assert gpu0(daemon)["processes"] == [proc]                # back on the GPU with its memory
+    gate.open()
+    done = daemon.state(plain, "COMPLETED")
+    assert any(e["reason"].startswith("thawed (SIMULATED driver)") for e in done["events"])
+    assert daemon.cli("logs", str(plain)).stdout.split() == [str(i) for i in range(1, 101)] + ["end"]
     assert daemon.client.get("/v1/gpus")["ram_parked"] == 0
 
 
+def test_child_and_grandchild_cuda_processes_are_both_frozen_and_thawed(daemon, home):
+    gate = Gate(home / "go")
+    a, ready_a = fake(home, 1 * GiB, gate, tag="a")
+    b, ready_b = fake(home, 2 * GiB, gate, tag="b")
+    job = daemon.submit(["sh", "-c", f"sh -c \"{a}; true\" & {b}; wait; echo end"], priority="low")
+    wait_file(daemon, job, ready_a)
+    wait_file(daemon, job, ready_b)
+    pids = sorted(p["pid"] for p in gpu0(daemon)["processes"])
+    assert len(pids) == 2
+    assert daemon.cli("pause", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] == "PAUSED")
+    assert j["mechanism"] == "transparent" and j["parked_bytes"] == 3 * GiB
+    assert gpu0(daemon)["processes"] == []
+    assert daemon.cli("resume", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    assert sorted(p["pid"] for p in gpu0(daemon)["processes"]) == pids
+    gate.open()
+    done = daemon.state(job, "COMPLETED")
+    out = daemon.cli("logs", str(done["id"])).stdout      # two writers share the log: lines may interleave
+    assert sorted(re.findall(r"[ab]\d+", out)) == sorted([f"{t}{i}" for t in "ab" for i in range(1, 101)])
+    assert out.rstrip().endswith("end")
+    assert not any("gpuswap failed" in e["reason"] for e in done["events"])
+
+
+def test_lock_timeout_is_reported_as_a_timeout_and_the_job_runs_on(daemon, home):
+    gate = Gate(home / "go")
+    cmd, ready = fake(home, GiB, gate)
+    job = daemon.submit(["sh", "-c", f"FAKE_BUSY=1 {cmd}; echo end"], priority="low")
+    wait_file(daemon, job, ready)
+    assert daemon.cli("pause", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] == "RUNNING" and "cannot freeze" in j["reason"])
+    assert "lock timed out after 10 s" in j["reason"], j["reason"]
+    assert gpu0(daemon)["processes"][0]["used_bytes"] == GiB       # never locked: still on the GPU
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
+def test_no_restore_into_a_gpu_without_room(make_daemon, home):
+    """Someone outside gpuswap takes 6 of the GPU's 8 GiB while a 3 GiB job is frozen: the daemon
+    waits rather than restore (a restore that runs out of memory leaves the process stuck for good,
+    and the simulated driver, like the real one, then fails every later restore)."""
+    daemon = make_daemon("--simulate-gpus", "1x8GiB", "--min-runtime", "1")
+    gate, rogue_gate = Gate(home / "go"), Gate(home / "rogue-go")
+    cmd, ready = fake(home, 3 * GiB, gate)
+    job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], priority="low")
+    wait_file(daemon, job, ready)
+    assert daemon.cli("pause", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED")
+    rogue_script, rogue_ready = fake(home, 6 * GiB, rogue_gate, tag="rogue")
+    env = dict(os.environ, GPUSWAP_SIM_CUDA_DIR=str(home / "simulated-driver"), CUDA_VISIBLE_DEVICES="0")
+    rogue = subprocess.Popen(["sh", "-c", f"exec {rogue_script}"], env=env, stdout=subprocess.DEVNULL)
+    try:
+        daemon.until(job, lambda j: rogue_ready.exists())
+        assert daemon.cli("resume", str(job)).returncode == 0
+        j = daemon.until(job, lambda j: "waiting for room" in j["reason"])
+        assert j["state"] == "RESUMING" and "GPU 0 has 2.0 GiB free" in j["reason"], j["reason"]
+    finally:
+        rogue.send_signal(signal.SIGKILL)
+        rogue.wait()
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
 def test_job_exiting_while_frozen_ends_with_its_code_and_frees_accounting(daemon, home):
-    plain = daemon.submit(counter(home, 3000), name="plain", priority="low", mem="2GiB")
-    daemon.state(plain, "RUNNING")
+    gate = Gate(home / "go")
+    cmd, ready = fake(home, 2 * GiB, gate)
+    plain = daemon.submit(["sh", "-c", f"exec {cmd}"], name="plain", priority="low", mem="2GiB")
+    wait_file(daemon, plain, ready)
     assert daemon.cli("pause", str(plain)).returncode == 0
     daemon.until(plain, lambda j: j["state"] == "PAUSED" and j["mechanism"] == "transparent")
     status = json.loads((home / "jobs" / str(plain) / "run-1" / "status.json").read_text())
@@ -66,10 +163,54 @@ def test_job_exiting_while_frozen_ends_with_its_code_and_frees_accounting(daemon
 
 
 def test_transparent_only_job_is_not_parked_to_disk(daemon, home):
-    plain = daemon.submit(counter(home, 3000), name="plain", priority="low", pause_mode="transparent")
+    plain = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"], name="plain", priority="low",
+                          pause_mode="transparent")
     daemon.state(plain, "RUNNING")
     r = daemon.cli("pause", str(plain), "--to", "disk")
     assert r.returncode == 1 and "CRIU" in r.stderr and "Traceback" not in r.stderr
     j = daemon.client.get(f"/v1/jobs/{plain}")
     assert j["state"] == "RUNNING" and j["parked"] is None
     daemon.cli("cancel", str(plain))
+
+
+def test_daemon_killed_while_a_job_is_frozen_thaws_it_from_its_record(daemon, home):
+    """kill -9 of the daemon while the job is frozen: NVML lists nothing of it, so the restarted
+    daemon thaws it from the pids and footprint recorded at lock time and the driver's own state."""
+    gate = Gate(home / "go")
+    cmd, ready = fake(home, 2 * GiB, gate)
+    job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], priority="low")
+    wait_file(daemon, job, ready)
+    [proc] = gpu0(daemon)["processes"]
+    assert daemon.cli("pause", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED")
+    daemon.kill9()
+    daemon.start()
+    assert gpu0(daemon)["processes"] == []
+    assert daemon.cli("resume", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    assert gpu0(daemon)["processes"] == [proc] and not any("gpuswap failed" in e["reason"] for e in j["events"])
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
+def test_simulated_device_ignores_forged_planted_and_stale_registrations(tmp_path):
+    """The registry is a world-writable directory the root daemon reads: a FIFO planted there must
+    not block it, a file naming a process its owner does not run is a forgery, a dead pid is gone."""
+    from gpuswap.simcuda import SimDevice, start_ticks
+    dev = SimDevice(tmp_path / "dev")
+    dev.prepare()
+    os.mkfifo(dev.procs / f"{os.getpid()}.json")                       # would block a plain open()
+    assert dev.registrations() == []
+    os.unlink(dev.procs / f"{os.getpid()}.json")
+    other = subprocess.Popen(["sleep", "60"], user=65534)
+    try:
+        (dev.procs / f"{other.pid}.json").write_text(json.dumps(          # root's file, nobody's process
+            {"pid": other.pid, "start": start_ticks(other.pid), "gpu": 0, "nbytes": 1}))
+        assert dev.registrations() == []
+    finally:
+        other.kill()
+        other.wait()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (dev.procs / f"{dead.pid}.json").write_text(json.dumps({"pid": dead.pid, "start": 1, "gpu": 0, "nbytes": 1}))
+    assert dev.registrations() == [] and not (dev.procs / f"{dead.pid}.json").exists()

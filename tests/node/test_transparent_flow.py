@@ -53,17 +53,23 @@ class FakeDriver(CheckpointDriver):
 
 
 class FakeGpus(GpuInventory):
-    """Two 80 GiB 'real' GPUs as NVML would list them (processes and memory in use settable)."""
+    """Two 80 GiB 'real' GPUs as NVML would list them (processes and other memory in use settable).
+    Like NVML, it does not list a process the driver has checkpointed, nor count its memory."""
 
     simulated = False
 
-    def __init__(self) -> None:
+    def __init__(self, driver: FakeDriver) -> None:
+        self.driver = driver
         self.procs: dict[int, tuple[GpuProcess, ...]] = {0: (), 1: ()}
         self.used = {0: 0, 1: 0}
 
     def list(self) -> list[GpuInfo]:
-        return [GpuInfo(i, "fake H100", f"GPU-0000000{i}-0000-0000-0000-000000000000", 80 * 2**30, self.used[i],
-                        False, self.procs[i]) for i in (0, 1)]
+        out = []
+        for i in (0, 1):
+            procs = tuple(p for p in self.procs[i] if self.driver.state(p.pid) != "checkpointed")
+            out.append(GpuInfo(i, "fake H100", f"GPU-0000000{i}-0000-0000-0000-000000000000", 80 * 2**30,
+                               self.used[i] + sum(p.used_bytes or 0 for p in procs), False, procs))
+        return out
 
     def describe(self) -> str:
         return "fake GPUs for tests"
@@ -77,12 +83,21 @@ def world(tmp_path: Path):
                                       pause_mode="transparent")], time.time())
     store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent", assigned=[0],
                  generation=1, pause_requested_at=time.time())
-    gpus, driver = FakeGpus(), FakeDriver()
-    gpus.procs[0] = (GpuProcess(proc.pid, 4 * 2**30),)
-    freezer = Freezer(store, driver, gpus, Bandwidths())
+    driver = FakeDriver()
+    gpus = FakeGpus(driver)
+    gpus.procs[0] = (GpuProcess(proc.pid, 3 * 2**30),)     # it declared 4 GiB; NVML measures 3
+    freezer = Freezer(store, driver, gpus, Bandwidths(), run_dirs(tmp_path))
     yield store, job_id, proc.pid, gpus, driver, freezer
     proc.kill()
     proc.wait()
+
+
+def run_dirs(tmp_path: Path):
+    def run_dir(job_id: int, generation: int) -> Path:
+        d = tmp_path / f"run-{job_id}-{generation}"
+        d.mkdir(exist_ok=True)
+        return d
+    return run_dir
 
 
 def drive(store, job_id, freezer, pid, method: str, stopped: bool, until, limit: int = 50):
@@ -106,7 +121,9 @@ def test_freeze_then_thaw_in_order(world):
     store, job_id, pid, gpus, driver, freezer = world
     job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
     assert [c[0] for c in driver.calls] == ["lock", "checkpoint"]
-    assert job.parked == "ram" and job.parked_bytes == 4 * 2**30 and job.stopped and job.assigned == []
+    assert job.parked == "ram" and job.stopped and job.assigned == []
+    assert job.parked_bytes == 3 * 2**30              # measured at lock time, not the declared 4 GiB
+    assert gpus.list()[0].processes == () and gpus.list()[0].mem_used == 0     # NVML: gone after checkpoint
     assert "frozen transparently" in events(store, job_id)[-1] and "checkpoint" in events(store, job_id)[-1]
     store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
     order = []
@@ -121,7 +138,7 @@ def test_freeze_then_thaw_in_order(world):
 
 def test_lock_timeout_leaves_job_running_and_refused(world):
     store, job_id, pid, gpus, driver, freezer = world
-    driver.fail["lock"] = "CUDA_ERROR_TIMEOUT"
+    driver.fail["lock"] = "CUDA_ERROR_NOT_READY"      # lock's documented timeout return
     job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
     assert job.transparent_refused == "lock timed out after 10 s" and not job.stopped
     assert "cannot freeze transparently (lock timed out" in events(store, job_id)[-1]
@@ -137,31 +154,62 @@ def test_checkpoint_failure_unlocks_and_keeps_running(world):
     assert "CUDA_ERROR_NOT_SUPPORTED" in job.transparent_refused
 
 
-def test_several_cuda_processes_are_refused_without_touching_the_driver(world, tmp_path):
+def test_child_and_grandchild_cuda_processes_are_all_frozen_and_thawed(world):
+    """The launched command is a shell; its child and grandchild hold CUDA state. Both are found in
+    NVML before the lock, all locked, then all checkpointed; the thaw uses the recorded pids (NVML
+    lists neither by then), never the shell's."""
     store, job_id, pid, gpus, driver, freezer = world
-    tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"])
+    tree = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60' & sleep 60; wait"])
     import psutil
-    deadline = time.monotonic() + 60      # both children exist (sh forks them when it gets the CPU)
-    while len(kids := [p.pid for p in psutil.Process(tree.pid).children()]) < 2:
+    deadline = time.monotonic() + 60      # both exist (sh forks them when it gets the CPU)
+    while len(kids := [p.pid for p in psutil.Process(tree.pid).children(recursive=True) if p.name() == "sleep"]) < 2:
         assert time.monotonic() < deadline, kids
         time.sleep(0.05)
+    kids.sort()
     gpus.procs[0] = tuple(GpuProcess(k, 2**30) for k in kids)
     try:
-        job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+        job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+        assert [c[:2] for c in driver.calls] == [("lock", kids[0]), ("lock", kids[1]),
+                                                 ("checkpoint", kids[0]), ("checkpoint", kids[1])]
+        assert job.parked_bytes == 2 * 2**30 and gpus.list()[0].processes == ()
+        store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+        job = drive(store, job_id, freezer, tree.pid, "thawing", True, lambda j: j.state == JobState.RUNNING)
     finally:
         tree.kill()
         subprocess.run(["pkill", "-P", str(tree.pid)])
-    assert driver.calls == []
-    assert "2 CUDA processes" in job.transparent_refused and "one CUDA process per job" in job.transparent_refused
+    assert sorted(c[1] for c in driver.calls if c[0] in ("restore", "unlock")) == sorted(kids * 2)
+    assert tree.pid not in [c[1] for c in driver.calls]
+    assert all(driver.state(k) == "running" for k in kids) and job.parked is None
+
+
+def test_no_cuda_process_is_refused_without_touching_the_driver(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    gpus.procs[0] = ()
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+    assert driver.calls == [] and "no CUDA process found" in job.transparent_refused
+
+
+def test_thaw_never_asks_the_driver_about_a_stopped_process(world):
+    store, job_id, pid, gpus, driver, freezer = world
+    drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    asked = []
+    real_state = driver.state
+    driver.state = lambda p: (asked.append(store.get(job_id).stopped), real_state(p))[1]
+    drive(store, job_id, freezer, pid, "thawing", True, lambda j: j.state == JobState.RUNNING)
+    assert asked and not any(asked)
 
 
 def test_restart_mid_freeze_continues_from_driver_state(world):
-    store, job_id, pid, gpus, driver, _ = world
-    driver.states[pid] = "locked"                 # the old daemon died right after the lock
-    fresh = Freezer(store, driver, gpus, Bandwidths())
+    store, job_id, pid, gpus, driver, freezer = world
+    freezer.freezing(store.get(job_id), Observation({"job_pid": pid, "stopped": False}, True, 0.0), time.time())
+    while freezer.runner.busy(job_id):              # the lock ran; the daemon dies before its result is read
+        time.sleep(0.005)
+    assert driver.state(pid) == "locked"
+    fresh = Freezer(store, driver, gpus, Bandwidths(), freezer.run_dir)
     job = drive(store, job_id, fresh, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
-    assert [c[0] for c in driver.calls] == ["checkpoint"]
-    assert job.parked == "ram"
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint"]
+    assert job.parked == "ram" and job.parked_bytes == 3 * 2**30   # the footprint recorded before the lock
 
 
 def test_no_restore_without_room_then_migrate(world):
@@ -197,3 +245,14 @@ def test_driver_reporting_failed_state_stops_the_job(world):
     driver.states[pid] = "failed"
     drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.cancel_requested)
     assert "reports the job's CUDA state as failed" in events(store, job_id)[-1]
+
+
+def test_migration_map_is_a_permutation_of_every_gpu():
+    """The driver wants every GPU mapped, each exactly once (CUDA docs, NVIDIA's migration tests,
+    cuda-checkpoint#35); a 2-GPU job moving from 0,1 to 1,2 used to map two GPUs onto GPU 1."""
+    from gpuswap.node.transparent import gpu_permutation
+    assert gpu_permutation([0, 1], [0], [1]) == {0: 1, 1: 0}
+    for home, assigned in (([0, 1], [1, 2]), ([3], [0]), ([0, 2], [2, 0]), ([1], [1])):
+        perm = gpu_permutation([0, 1, 2, 3], home, assigned)
+        assert sorted(perm) == sorted(perm.values()) == [0, 1, 2, 3], perm
+        assert all(perm[h] == a for h, a in zip(home, assigned))

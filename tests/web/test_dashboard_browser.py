@@ -275,9 +275,13 @@ def test_dashboard_header_durations_icon_job_links_and_frozen_jobs(browser, make
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    # No runtime and no --mem: the (simulated) driver freezes it without a measured footprint.
-    frozen = d.submit(["sleep", "600"], name="frozen", pause_mode="transparent")
-    d.state(frozen, "RUNNING")
+    # No runtime and no --mem: a (simulated) CUDA process whose memory NVML does not report
+    # (usedGpuMemory unavailable), frozen by the driver without a measured footprint.
+    ready = tmp_path / "cuda-ready"
+    frozen = d.submit([sys.executable, "-c", "import sys, time; from gpuswap import simcuda; simcuda.allocate(0); "
+                       "open(sys.argv[1], 'w').close(); time.sleep(600)", str(ready)],
+                      name="frozen", pause_mode="transparent")
+    d.until(frozen, lambda j: ready.exists())
     d.client.post(f"/v1/jobs/{frozen}/pause", {"to": "ram"})
     j = d.until(frozen, lambda j: j["state"] == "PAUSED")
     assert j["parked"] == "ram" and j["mechanism"] == "transparent" and j["parked_bytes"] == 0

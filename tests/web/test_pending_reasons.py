@@ -26,15 +26,20 @@ def shown_everywhere(d, job_id: int, text: str) -> None:
 
 def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
     """The issue's 145 s wait, shortened (cap 50%): a 2-GPU low job of 8 GiB per GPU without the
-    runtime (frozen through the simulated driver) holds both GPUs; the urgent job waits on the
+    runtime (two CUDA processes, frozen through the simulated driver) holds both GPUs; the urgent job waits on the
     switch-time cap, the reason says so with its numbers, in ls, show and the overview, an event
     records it, and once the cap allows it the low job is parked and the urgent one runs."""
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--max-switch-fraction", "0.5",
                     "--ram-budget", "64GiB", calibrate=True)
     # The switch cost is the move at this machine's bandwidth: wait for its calibration (at start).
     d.until(0, lambda g: g["bandwidths"]["ram_park_bps"]["source"].startswith("calibrated"), get="/v1/gpus")
-    low = d.submit(SLEEP, name="low", priority="low", gpus=2, mem="8GiB")
-    d.state(low, "RUNNING")
+    # One simulated CUDA process of 8 GiB on each of its GPUs (the strict driver freezes only those).
+    ready = [d.home / f"cuda-ready-{i}" for i in (0, 1)]
+    cuda = ("import sys, time; from gpuswap import simcuda; simcuda.allocate(8 * 2**30, device=int(sys.argv[1])); "
+            "open(sys.argv[2], 'w').close(); time.sleep(600)")
+    low = d.submit(["sh", "-c", f"{sys.executable} -c \"$0\" 0 {ready[0]} & {sys.executable} -c \"$0\" 1 {ready[1]}; wait",
+                    cuda], name="low", priority="low", gpus=2, mem="8GiB")
+    d.until(low, lambda j: all(r.exists() for r in ready))
     urgent = d.submit(SLEEP, name="urgent", priority="urgent")
     j = d.until(urgent, lambda j: j["pending_reason"] == "SwitchCap" or j["state"] != "PENDING")
     assert j["pending_reason"] == "SwitchCap", j

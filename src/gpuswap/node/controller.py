@@ -49,7 +49,7 @@ class Controller:
         self.store, self.launcher, self.gpus, self.config, self.clock = store, launcher, gpus, config, clock
         self.driver, self.bandwidths = driver, bandwidths
         self.transparent_ok = driver.capability.available
-        self.freezer = Freezer(store, driver, gpus, bandwidths)
+        self.freezer = Freezer(store, driver, gpus, bandwidths, launcher.run_dir)
         self.observer = Observer(store, launcher, self.freezer, bandwidths, config.pause_timeout_s,
                                  config.no_runtime)
         self.usage = store.load_usage()

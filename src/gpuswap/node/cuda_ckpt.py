@@ -6,21 +6,15 @@ it back at the same virtual addresses. The daemon calls them from its own long-l
 through cuda-bindings (>= 13.0.3: 13.0.0-13.0.2 lack cuCheckpointProcessRestore and
 CUcheckpointRestoreArgs) instead of spawning the `cuda-checkpoint` binary for each step.
 
-`SimulatedCheckpointDriver` stands in where there is no GPU: it keeps each process's state in a
-file so it survives daemon restarts like the real driver's does, moves no memory, and says
-"simulated" in every description. It is how the transparent path runs end to end on CI.
+`node/simdriver.py` stands in where there is no GPU, as strict as the real driver observably is
+(docs/transparent.md); it is how the transparent path runs end to end on CI.
 """
 from __future__ import annotations
 
 import abc
-import json
-import os
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
-
-from gpuswap.fsutil import atomic_write_json, make_dir
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
 MIN_BINDINGS = (13, 0, 3)
@@ -37,7 +31,10 @@ class CheckpointError(Exception):
 
     @property
     def timed_out(self) -> bool:
-        return self.code == "CUDA_ERROR_TIMEOUT"
+        """A lock that ran out of time. The CUDA docs list CUDA_ERROR_NOT_READY as the one return
+        of cuCheckpointProcessLock beyond the common ones (it leaves the process RUNNING);
+        CUDA_ERROR_TIMEOUT is kept in case a driver uses it."""
+        return self.code in ("CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT")
 
 
 @dataclass(frozen=True)
@@ -160,53 +157,6 @@ class UnavailableDriver(CheckpointDriver):
 
     def unlock(self, pid: int) -> None:
         self._no("cuCheckpointProcessUnlock")
-
-
-class SimulatedCheckpointDriver(CheckpointDriver):
-    """No GPU: the same state machine, persisted per process in `state_dir`, moving no memory."""
-
-    def __init__(self, state_dir: Path):
-        self.dir = state_dir
-        make_dir(self.dir, 0o700)
-        self.capability = Capability(True, "SIMULATED checkpoint driver (no GPU; no memory is moved)",
-                                     migration=True, simulated=True, criu=criu_verdict())
-
-    def _path(self, pid: int) -> Path:
-        return self.dir / f"{pid}.json"
-
-    def _get(self, pid: int) -> str:
-        if not os.path.exists(f"/proc/{pid}"):
-            raise CheckpointError("cuCheckpointProcessGetState", "CUDA_ERROR_INVALID_VALUE")
-        try:
-            return json.loads(self._path(pid).read_text())["state"]
-        except FileNotFoundError:
-            return RUNNING
-
-    def _set(self, pid: int, state: str) -> None:
-        atomic_write_json(self._path(pid), {"state": state})
-
-    def _expect(self, call: str, pid: int, state: str) -> None:
-        if self._get(pid) != state:
-            raise CheckpointError(call, "CUDA_ERROR_ILLEGAL_STATE")
-
-    def state(self, pid: int) -> str:
-        return self._get(pid)
-
-    def lock(self, pid: int, timeout_ms: int) -> None:
-        self._expect("cuCheckpointProcessLock", pid, RUNNING)
-        self._set(pid, LOCKED)
-
-    def checkpoint(self, pid: int) -> None:
-        self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
-        self._set(pid, CHECKPOINTED)
-
-    def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
-        self._expect("cuCheckpointProcessRestore", pid, CHECKPOINTED)
-        self._set(pid, LOCKED)
-
-    def unlock(self, pid: int) -> None:
-        self._expect("cuCheckpointProcessUnlock", pid, LOCKED)
-        self._set(pid, RUNNING)
 
 
 def criu_verdict() -> str:

@@ -125,7 +125,17 @@ def checkpoint_driver(home: Path, gpus: GpuInventory) -> CheckpointDriver:
             except Exception as e:   # cuInit failing: report it, run without transparent parking
                 cap = cuda_ckpt.Capability(False, f"cuInit failed: {e}", driver=gpus.driver)
         return cuda_ckpt.UnavailableDriver(cap)
-    return cuda_ckpt.SimulatedCheckpointDriver(home / "simulated-driver")
+    from gpuswap.node.simdriver import SimulatedCheckpointDriver
+    from gpuswap.simcuda import SimDevice
+
+    assert isinstance(gpus, SimulatedGpus)
+    gpus.device = SimDevice(sim_device_dir(home))      # its NVML process list shows what the driver did
+    return SimulatedCheckpointDriver(gpus, gpus.device)
+
+
+def sim_device_dir(home: Path) -> Path:
+    """Where simulated CUDA processes register and the simulated driver keeps its record."""
+    return home / "simulated-driver"
 
 
 def serve(opts: ServerOptions) -> None:

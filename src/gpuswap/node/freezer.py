@@ -1,23 +1,33 @@
 """Job-level flow of transparent parking: which mechanism parks a job, and the freeze/thaw moves
 that turn the driver's state into job states and events.
 
+The job's CUDA processes (any in its process tree, several allowed) and their footprint are
+taken from NVML once, before the first lock, and kept in the run directory (FreezeRecord): after
+a checkpoint NVML lists them no more, so every later step, the thaw and a restarted daemon use
+that record and ask the driver, never NVML, where each process is. The driver is never asked
+about a stopped process: the tree is stopped last on freeze and continued first on thaw.
+
 Every failure ends in a defined state with its reason: a lock that times out or a driver that
-refuses leaves the job RUNNING (unlocked) and not preempted transparently again; a process that
-exits while frozen ends by its exit code; a failed restore, which the driver cannot retry
-(NVIDIA/cuda-checkpoint#44), ends the job FAILED rather than leaving it stuck.
+refuses leaves the job RUNNING (what was taken is put back) and not preempted transparently
+again; a process that exits while frozen ends by its exit code; a failed restore, which the
+driver cannot retry (NVIDIA/cuda-checkpoint#44), ends the job FAILED rather than leaving it stuck.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psutil
 
 from gpuswap.jobs import JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
-from gpuswap.node.cuda_ckpt import CheckpointDriver, CheckpointError
+from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriver, CheckpointError
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Observation
 from gpuswap.node.store import JobRecord, Store
-from gpuswap.node.transparent import (StepRunner, footprint, job_cuda_pids, next_freeze_step, next_thaw_step,
-                                      room_for)
+from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu_permutation, job_cuda_processes,
+                                      next_freeze_step, next_thaw_step, room_for)
+from gpuswap.simcuda import start_ticks
 
 LOCK_TIMEOUT_MS = 10_000
 
@@ -46,8 +56,10 @@ def tiers_for(job: JobRecord, transparent_ok: bool) -> frozenset[str]:
 
 
 class Freezer:
-    def __init__(self, store: Store, driver: CheckpointDriver, gpus: GpuInventory, bandwidths: Bandwidths):
+    def __init__(self, store: Store, driver: CheckpointDriver, gpus: GpuInventory, bandwidths: Bandwidths,
+                 run_dir: Callable[[int, int], Path]):
         self.store, self.driver, self.gpus, self.bandwidths = store, driver, gpus, bandwidths
+        self.run_dir = run_dir
         self.runner = StepRunner(driver)
         self._timings: dict[int, dict[str, float]] = {}
 
@@ -55,79 +67,112 @@ class Freezer:
     def migration(self) -> bool:
         return self.driver.capability.migration
 
-    # -- freeze -----------------------------------------------------------------------------
+    def _path(self, job: JobRecord) -> Path:
+        return self.run_dir(job.id, job.generation) / "transparent.json"
+
+    def _forget(self, job: JobRecord) -> None:
+        try:
+            self._path(job).unlink()
+        except FileNotFoundError:
+            pass
+
     def _ready(self, job: JobRecord, obs: Observation) -> tuple[Optional[int], Optional[CheckpointError]]:
         """(job pid, error of the step that just finished); pid None while there is nothing to do
         (no process yet, or a driver call still in flight)."""
         pid = obs.job_pid
         done = self.runner.result(job.id)
         if done is not None:
-            self._timings.setdefault(job.id, {})[done.step] = done.seconds
+            t = self._timings.setdefault(job.id, {})
+            t[done.step] = t.get(done.step, 0.0) + done.seconds
         if not pid or self.runner.busy(job.id):
             return None, None
         return pid, done.error if done is not None else None
 
+    def _run(self, job: JobRecord, step: str, pids: list[int], call: Callable[[int], None]) -> None:
+        """One step for each of `pids`, in order, off the control loop; the first error stops it."""
+        def all_of() -> None:
+            for p in pids:
+                call(p)
+        self.runner.start(job.id, step, all_of)
+
+    # -- freeze -----------------------------------------------------------------------------
     def freezing(self, job: JobRecord, obs: Observation, now: float) -> None:
         pid, error = self._ready(job, obs)
+        rec = FreezeRecord.load(self._path(job))
         if error is not None and pid:
-            self._refuse(job, now, error, pid)
+            self._refuse(job, now, error, rec)
             return
         if not pid:
             return
-        pids = job_cuda_pids(pid, self.gpus, job.assigned, self.gpus.simulated)
-        if len(pids) != 1:
-            why = ("no CUDA process found in the job" if not pids else
-                   f"{len(pids)} CUDA processes ({', '.join(map(str, pids))}) share the job; transparent "
-                   "parking supports one CUDA process per job")
-            self._refuse(job, now, why, pid)
+        if obs.stopped:
+            # Stopped only once every process was checkpointed, which was recorded first: the
+            # driver is not asked (a stopped process cannot answer it).
+            if rec is not None and rec.checkpointed:
+                self._frozen(job, now, rec)
+            elif job.stopped:       # stopped without a record of the checkpoints: continue it, then ask
+                self.store.update(job.id, now, stopped=False)
             return
-        cuda_pid = pids[0]
-        try:
-            state = self.driver.state(cuda_pid)
-        except CheckpointError as e:
-            self._refuse(job, now, e, pid)
-            return
-        step = next_freeze_step(state, obs.stopped)
-        if step == "lock" and job.ram_allowance is not None:
-            need = footprint(pid, self.gpus, job.assigned, job.device_bytes or job.mem_bytes)
-            if need > job.ram_allowance:
-                self.store.update(job.id, now, state=JobState.RUNNING, hold=False,
-                                  device_bytes=need // max(len(job.assigned), 1),
-                                  desired_tier=None,
-                                  event=f"not frozen: its {format_size(need)} would exceed the host-RAM budget "
-                                        f"({format_size(job.ram_allowance)} left)")
+        if rec is None:
+            procs = job_cuda_processes(pid, self.gpus)
+            if not procs:
+                self._refuse(job, now, "no CUDA process found in the job's process tree (NVML lists none)", None)
                 return
+            rec = FreezeRecord(tuple(procs))
+            if job.ram_allowance is not None and rec.nbytes > job.ram_allowance:
+                self.store.update(job.id, now, state=JobState.RUNNING, hold=False,
+                                  device_bytes=rec.nbytes // max(len(job.assigned), 1), desired_tier=None,
+                                  event=f"not frozen: its {format_size(rec.nbytes)} would exceed the host-RAM "
+                                        f"budget ({format_size(job.ram_allowance)} left)")
+                return
+            rec.save(self._path(job))        # before the first lock: the footprint NVML shows now
+        pids = rec.pids
+        if len(rec.alive()) != len(pids):
+            self._refuse(job, now, "a CUDA process of the job exited during the freeze", rec)
+            return
+        try:
+            states = [self.driver.state(p) for p in pids]
+        except CheckpointError as e:
+            self._refuse(job, now, e, rec)
+            return
+        step = next_freeze_step(states)
         if step == "lock":
-            self.runner.start(job.id, "lock", lambda: self.driver.lock(cuda_pid, LOCK_TIMEOUT_MS))
+            self._run(job, "lock", [p for p, s in zip(pids, states) if s == RUNNING],
+                      lambda p: self.driver.lock(p, LOCK_TIMEOUT_MS))
         elif step == "checkpoint":
-            self.runner.start(job.id, "checkpoint", lambda: self.driver.checkpoint(cuda_pid))
+            self._run(job, "checkpoint", [p for p, s in zip(pids, states) if s == LOCKED], self.driver.checkpoint)
         elif step == "stop":
+            if not rec.checkpointed:
+                FreezeRecord(rec.processes, checkpointed=True).save(self._path(job))
             if not job.stopped:
                 self.store.update(job.id, now, stopped=True)
-        elif step == "done":
-            nbytes = footprint(pid, self.gpus, job.assigned, job.device_bytes or job.mem_bytes) if not job.parked_bytes \
-                else job.parked_bytes
-            t = self._timings.pop(job.id, {})
-            if not self.driver.capability.simulated:   # it moved nothing: its timing is no bandwidth
-                self.bandwidths.observe("ram_park_bps", nbytes, t.get("checkpoint"))
-            self.store.update(
-                job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
-                home_gpus=job.assigned if not self.migration else job.assigned, assigned=[],
-                event=f"frozen transparently{_sim(self.gpus)}: {format_size(nbytes)} moved to host RAM by the "
-                      f"driver (lock {t.get('lock', 0):.2f} s, checkpoint {t.get('checkpoint', 0):.2f} s), "
-                      "process tree stopped")
         else:
-            self._abort(job, now, f"the driver reports the job's CUDA state as {state}")
+            self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
 
-    def _refuse(self, job: JobRecord, now: float, error: Any, pid: int) -> None:
-        """Give up on freezing this job: undo a lock if one was taken, keep it running, say why."""
+    def _frozen(self, job: JobRecord, now: float, rec: FreezeRecord) -> None:
+        t = self._timings.pop(job.id, {})
+        if not self.driver.capability.simulated:   # it moved nothing: its timing is no bandwidth
+            self.bandwidths.observe("ram_park_bps", rec.nbytes, t.get("checkpoint"))
+        self.store.update(
+            job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=rec.nbytes,
+            home_gpus=job.assigned, assigned=[],
+            event=f"frozen transparently{_sim(self.gpus)}: {format_size(rec.nbytes)} of CUDA process "
+                  f"{', '.join(map(str, rec.pids))} moved to host RAM by the driver (lock {t.get('lock', 0):.2f} s, "
+                  f"checkpoint {t.get('checkpoint', 0):.2f} s), process tree stopped")
+
+    def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord]) -> None:
+        """Give up on freezing this job: put back what was taken (restore, unlock), keep it running, say why."""
         why = f"lock timed out after {LOCK_TIMEOUT_MS / 1000:.0f} s" if getattr(error, "timed_out", False) else str(error)
-        try:
-            for cuda_pid in job_cuda_pids(pid, self.gpus, job.assigned, self.gpus.simulated):
-                if self.driver.state(cuda_pid) == "locked":
+        for cuda_pid in rec.alive() if rec is not None else []:
+            try:
+                state = self.driver.state(cuda_pid)
+                if state == CHECKPOINTED:
+                    self.driver.restore(cuda_pid, None)
+                    state = LOCKED
+                if state == LOCKED:
                     self.driver.unlock(cuda_pid)
-        except CheckpointError:
-            pass
+            except CheckpointError:
+                pass
+        self._forget(job)
         self._timings.pop(job.id, None)
         self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, hold=False, transparent_refused=why,
                           desired="running", desired_tier=None,
@@ -141,51 +186,86 @@ class Freezer:
             return
         if not pid:
             return
-        [cuda_pid] = job_cuda_pids(pid, self.gpus, job.home_gpus or job.assigned, self.gpus.simulated) or [pid]
+        if job.stopped or obs.stopped:     # SIGCONT first: the driver is never asked about a stopped process
+            if job.stopped:
+                self.store.update(job.id, now, stopped=False)
+            return
+        rec = FreezeRecord.load(self._path(job)) or self._rediscover(pid, job)
+        if rec is None:
+            self._abort(job, now, "thaw failed: no CUDA process of the job is known to the driver")
+            return
+        pids = rec.pids
+        if len(rec.alive()) != len(pids):
+            self._abort(job, now, "thaw failed: a CUDA process of the job exited while it was frozen")
+            return
         try:
-            state = self.driver.state(cuda_pid)
+            states = [self.driver.state(p) for p in pids]
         except CheckpointError as e:
             self._abort(job, now, f"thaw failed ({e})")
             return
-        step = next_thaw_step(state, obs.stopped)
-        if step == "cont":
-            if job.stopped:
-                self.store.update(job.id, now, stopped=False)
-        elif step == "restore":
-            short = room_for(self.gpus, job.assigned, job.parked_bytes // max(1, job.gpus))
+        step = next_thaw_step(states)
+        if step == "restore":
+            perm = self._permutation(job)
+            need: dict[int, int] = {}
+            for gpu, nbytes in rec.bytes_by_gpu().items():
+                need[perm.get(gpu, gpu)] = need.get(perm.get(gpu, gpu), 0) + nbytes
+            short = room_for(self.gpus, need)
             if short:
                 if not job.reason.startswith("waiting for room"):
                     self.store.update(job.id, now, event=f"waiting for room before restoring: {short}")
                 return
-            gpu_map = self._gpu_map(job)
-            self.runner.start(job.id, "restore", lambda: self.driver.restore(cuda_pid, gpu_map))
+            gpu_map = self._gpu_map(perm)
+            self._run(job, "restore", [p for p, s in zip(pids, states) if s == CHECKPOINTED],
+                      lambda p: self.driver.restore(p, gpu_map))
         elif step == "unlock":
-            self.runner.start(job.id, "unlock", lambda: self.driver.unlock(cuda_pid))
+            self._run(job, "unlock", [p for p, s in zip(pids, states) if s == LOCKED], self.driver.unlock)
         elif step == "done":
             t = self._timings.pop(job.id, {})
             if not self.driver.capability.simulated:
                 self.bandwidths.observe("ram_resume_bps", job.parked_bytes, t.get("restore"))
             moved = f" onto GPU {','.join(map(str, job.assigned))}" if sorted(job.assigned) != sorted(job.home_gpus) else ""
+            self._forget(job)
             self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
                               last_start=now,
                               event=f"thawed{_sim(self.gpus)}{moved}: restore {t.get('restore', 0):.2f} s, "
                                     f"unlock {t.get('unlock', 0):.2f} s")
         else:
-            self._abort(job, now, f"the driver reports the job's CUDA state as {state}")
+            self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+
+    def _rediscover(self, job_pid: int, job: JobRecord) -> Optional[FreezeRecord]:
+        """No record (frozen by an older version): the driver itself tells which processes of the
+        tree are CUDA processes (it answers only for those); the footprint is the parked bytes."""
+        try:
+            tree = [job_pid] + [p.pid for p in psutil.Process(job_pid).children(recursive=True)]
+        except psutil.Error:
+            return None
+        found = []
+        for p in tree:
+            try:
+                self.driver.state(p)
+                found.append(p)
+            except CheckpointError:
+                continue
+        if not found:
+            return None
+        home = job.home_gpus or job.assigned or [0]
+        share = job.parked_bytes // (len(found) * len(home))
+        return FreezeRecord(tuple(CudaProcess(p, start_ticks(p) or 0, g, share) for p in found for g in home))
 
     def _abort(self, job: JobRecord, now: float, why: str) -> None:
         """Stop a job that cannot go on; it ends FAILED with `why` once its process is gone."""
         self.store.update(job.id, now, cancel_requested=True, abort_reason=why, event=f"{why}; stopping the job")
 
-    def _gpu_map(self, job: JobRecord) -> Optional[dict[str, str]]:
-        """UUID pairs for a restore onto other GPUs. The driver wants every GPU it knows mapped,
-        so the moved GPUs swap places and all others map to themselves."""
+    def _permutation(self, job: JobRecord) -> dict[int, int]:
         if not job.home_gpus or sorted(job.home_gpus) == sorted(job.assigned):
+            return {}
+        return gpu_permutation([g.index for g in self.gpus.list()], job.home_gpus, job.assigned)
+
+    def _gpu_map(self, perm: dict[int, int]) -> Optional[dict[str, str]]:
+        """UUID pairs for a restore onto other GPUs (a permutation of every GPU, transparent.py)."""
+        if not perm:
             return None
         uuids = {g.index: g.uuid for g in self.gpus.list()}
-        perm = {i: i for i in uuids}
-        for old, new in zip(job.home_gpus, job.assigned):
-            perm[old], perm[new] = new, old
         return {uuids[a]: uuids[b] for a, b in perm.items()}
 
 

@@ -1,7 +1,10 @@
 """What GPUs this node has: real ones through NVML, or simulated ones that say so.
 
-Simulated devices exist so that the whole product runs on a laptop or CI; their memory use is
-what the jobs' runtimes report, and every record they produce carries `simulated: True`.
+Simulated devices exist so that the whole product runs on a laptop or CI; every record they
+produce carries `simulated: True`. With a `SimDevice` (gpuswap.simcuda) attached, as the daemon
+does, they list the simulated CUDA processes like `nvmlDeviceGetComputeRunningProcesses` and their
+memory in use: a process checkpointed by the driver is not listed and holds nothing. A simulated
+GPU no such process has touched reports `mem_used` None: its callers fill it in from job reports.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpuswap.jobs import parse_size
+from gpuswap.simcuda import SimDevice
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,8 @@ MAX_SIMULATED = 1024
 class SimulatedGpus(GpuInventory):
     simulated = True
 
-    def __init__(self, count: int, mem_total: int):
-        self.count, self.mem_total = count, mem_total
+    def __init__(self, count: int, mem_total: int, device: Optional[SimDevice] = None):
+        self.count, self.mem_total, self.device = count, mem_total, device
 
     @classmethod
     def parse(cls, spec: str) -> "SimulatedGpus":
@@ -72,8 +76,21 @@ class SimulatedGpus(GpuInventory):
         return cls(int(m.group(1)), mem)
 
     def list(self) -> list[GpuInfo]:
-        return [GpuInfo(i, "simulated GPU", f"SIM-{i}", self.mem_total, None, True)
+        procs: dict[int, list[GpuProcess]] = {}
+        touched: set[int] = set()
+        if self.device is not None:
+            touched = self.device.gpus_in_use()
+            for pid, gpu, nbytes in self.device.resident():
+                procs.setdefault(gpu, []).append(GpuProcess(pid, nbytes))
+        return [GpuInfo(i, "simulated GPU", self.uuid(i), self.mem_total,
+                        sum(p.used_bytes or 0 for p in procs.get(i, ())) if i in touched else None, True,
+                        tuple(procs.get(i, ())))
                 for i in range(self.count)]
+
+    @staticmethod
+    def uuid(index: int) -> str:
+        """UUID-shaped, as the driver's GPU pairs need (hex, 16 bytes)."""
+        return f"GPU-51300000-0000-0000-0000-{index:012x}"
 
     def describe(self) -> str:
         return f"{self.count} simulated GPU(s), no real GPU is used"

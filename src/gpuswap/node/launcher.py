@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from gpuswap.fsutil import atomic_write_json, make_dir, make_file, read_json
 from gpuswap.node import messages
+from gpuswap import simcuda
 from gpuswap.runtime import channel
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
@@ -110,6 +111,7 @@ class Launcher:
         }
         if self.simulated:
             extra_env[channel.ENV_SIMULATED] = "1"
+            extra_env[simcuda.ENV_DIR] = str(self.home / "simulated-driver")   # daemon.sim_device_dir
         groups = _supplementary_groups(job.uid, job.gid)
         if not (run / "desired.json").exists():     # a respawn keeps what the daemon asked since
             atomic_write_json(run / "desired.json", desired)

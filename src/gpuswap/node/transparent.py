@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
 
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriver, CheckpointError
+from gpuswap.fsutil import atomic_write_json, read_json
 from gpuswap.node.gpus import GpuInventory
+from gpuswap.simcuda import start_ticks
 
 ROOM_MARGIN_BYTES = 256 * 2**20      # restore only with this much to spare (plus 5 %): an OOM restore
 ROOM_MARGIN_FRACTION = 0.05          # leaves the process stuck for good (NVIDIA/cuda-checkpoint#44)
@@ -30,28 +33,82 @@ class StepResult:
     error: Optional[CheckpointError]
 
 
-def next_freeze_step(driver_state: str, stopped: bool) -> str:
-    """The missing move towards 'frozen': lock, checkpoint, stop, done or failed."""
-    if driver_state == RUNNING:
+@dataclass(frozen=True)
+class CudaProcess:
+    pid: int
+    start: int          # start time in clock ticks: a reused pid is not this process
+    gpu: int
+    nbytes: int         # device memory it held when measured (NVML's usedGpuMemory)
+
+
+@dataclass(frozen=True)
+class FreezeRecord:
+    """What the daemon learnt when it locked a job: its CUDA processes and their footprint, taken
+    before the checkpoint (afterwards NVML lists neither) and kept in the run directory, so that
+    every later tick, thaw and daemon restart uses them rather than a fresh NVML look-up.
+    `checkpointed`: every process was checkpointed before the process tree was stopped (once it
+    is stopped the driver is not asked: its calls need the process's own threads to run)."""
+
+    processes: tuple[CudaProcess, ...]
+    checkpointed: bool = False
+
+    @property
+    def pids(self) -> list[int]:
+        return sorted({c.pid for c in self.processes})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.processes)
+
+    def bytes_by_gpu(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for c in self.processes:
+            out[c.gpu] = out.get(c.gpu, 0) + c.nbytes
+        return out
+
+    def alive(self) -> list[int]:
+        """The recorded processes that still exist as themselves (not a reused pid)."""
+        return [c.pid for c in self.processes if start_ticks(c.pid) == c.start]
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(path, {"processes": [asdict(c) for c in self.processes], "checkpointed": self.checkpointed})
+
+    @classmethod
+    def load(cls, path: Path) -> Optional["FreezeRecord"]:
+        try:
+            d = read_json(path)
+            if d is None:
+                return None
+            procs = tuple(CudaProcess(int(c["pid"]), int(c["start"]), int(c["gpu"]), int(c["nbytes"]))
+                          for c in d["processes"])
+            return cls(procs, bool(d.get("checkpointed")))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def next_freeze_step(states: list[str]) -> str:
+    """The missing move towards 'frozen' for a job's CUDA processes (their driver states, read
+    while the tree runs): lock every one first, then checkpoint every one (as CRIU's cuda plugin
+    does), then stop; or failed."""
+    if not states or any(s not in (RUNNING, LOCKED, CHECKPOINTED) for s in states):
+        return "failed"
+    if RUNNING in states:
         return "lock"
-    if driver_state == LOCKED:
+    if LOCKED in states:
         return "checkpoint"
-    if driver_state == CHECKPOINTED:
-        return "done" if stopped else "stop"
-    return "failed"
+    return "stop"
 
 
-def next_thaw_step(driver_state: str, stopped: bool) -> str:
-    """The missing move towards 'running': cont, restore, unlock, done or failed."""
-    if stopped:
-        return "cont"
-    if driver_state == CHECKPOINTED:
+def next_thaw_step(states: list[str]) -> str:
+    """The missing move towards 'running' once the tree was continued (SIGCONT comes first: the
+    driver is never asked about a stopped process): restore every one, unlock every one, done."""
+    if not states or any(s not in (RUNNING, LOCKED, CHECKPOINTED) for s in states):
+        return "failed"
+    if CHECKPOINTED in states:
         return "restore"
-    if driver_state == LOCKED:
+    if LOCKED in states:
         return "unlock"
-    if driver_state == RUNNING:
-        return "done"
-    return "failed"
+    return "done"
 
 
 class StepRunner:
@@ -91,39 +148,40 @@ class StepRunner:
         self._ops[job_id] = self._pool.submit(run)
 
 
-def job_cuda_pids(job_pid: int, gpus: GpuInventory, assigned: list[int], simulated: bool) -> list[int]:
-    """The job's processes that hold CUDA state: NVML's compute processes within its process tree."""
-    if simulated:
-        return [job_pid]
+def job_cuda_processes(job_pid: int, gpus: GpuInventory) -> list[CudaProcess]:
+    """The job's processes that hold device memory now, with what they hold on which GPU: NVML's
+    compute processes within its process tree (the launched command and every descendant; the
+    CUDA process is often a child: `bash run.sh`, `torchrun`, `uv run`). A process already
+    checkpointed by the driver is not listed by NVML: ask this only before a freeze."""
     try:
         tree = {job_pid} | {p.pid for p in psutil.Process(job_pid).children(recursive=True)}
     except psutil.Error:
         return []
-    on_gpus = {p.pid for g in gpus.list() if g.index in assigned for p in g.processes}
-    return sorted(tree & on_gpus)
+    out = [CudaProcess(p.pid, start_ticks(p.pid) or 0, g.index, p.used_bytes or 0)
+           for g in gpus.list() for p in g.processes if p.pid in tree]
+    return sorted(out, key=lambda c: (c.pid, c.gpu))
 
 
-def footprint(job_pid: int, gpus: GpuInventory, assigned: list[int], per_gpu: int) -> int:
-    """Device bytes the job's CUDA processes hold on all its GPUs, per NVML (what a freeze will
-    move); unknown (simulated GPUs, or NVML sees none): `per_gpu` (reported or declared) on each."""
-    fallback = per_gpu * max(len(assigned), 1)
-    if gpus.simulated:
-        return fallback
-    try:
-        tree = {job_pid} | {p.pid for p in psutil.Process(job_pid).children(recursive=True)}
-    except psutil.Error:
-        return fallback
-    used = sum(p.used_bytes or 0 for g in gpus.list() if g.index in assigned for p in g.processes if p.pid in tree)
-    return used or fallback
-
-
-def room_for(gpus: GpuInventory, targets: list[int], nbytes_per_gpu: int) -> Optional[str]:
-    """None if every target GPU can take the job back with margin; else why not."""
-    if gpus.simulated:
-        return None     # simulated GPUs are allocated whole, so an assigned GPU is empty
-    need = int(nbytes_per_gpu * (1 + ROOM_MARGIN_FRACTION)) + ROOM_MARGIN_BYTES
+def room_for(gpus: GpuInventory, need_by_gpu: dict[int, int]) -> Optional[str]:
+    """None if every target GPU can take back what will land on it, with margin; else why not.
+    A GPU whose use is unknown (a simulated one no CUDA process touched) counts as empty."""
     for g in gpus.list():
-        if g.index in targets and g.mem_used is not None and g.mem_total - g.mem_used < need:
-            return f"GPU {g.index} has {(g.mem_total - g.mem_used) / 2**30:.1f} GiB free, needs {need / 2**30:.1f} GiB"
+        if g.index not in need_by_gpu:
+            continue
+        need = int(need_by_gpu[g.index] * (1 + ROOM_MARGIN_FRACTION)) + ROOM_MARGIN_BYTES
+        free = g.mem_total - (g.mem_used or 0)
+        if free < need:
+            return f"GPU {g.index} has {free / 2**30:.1f} GiB free, needs {need / 2**30:.1f} GiB"
     return None
 
+
+def gpu_permutation(all_gpus: list[int], home: list[int], assigned: list[int]) -> dict[int, int]:
+    """Old GPU -> new GPU for a restore onto other GPUs: a permutation of every GPU of the node.
+    The driver wants every GPU mapped (CUDA docs: "every checkpointed GPU"; NVIDIA's migration
+    tests map every GPU the kernel driver sees; cuda-checkpoint#35: one pair alone is refused), so
+    home[i] -> assigned[i], and the GPUs that are left pair up in order, each one exactly once."""
+    perm = dict(zip(home, assigned))
+    rest_old = [g for g in all_gpus if g not in perm]
+    rest_new = [g for g in all_gpus if g not in perm.values()]
+    perm.update(zip(rest_old, rest_new))
+    return perm

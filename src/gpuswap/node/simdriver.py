@@ -1,0 +1,95 @@
+"""The simulated CUDA checkpoint driver: the real API's observable behaviour, without a GPU.
+
+It acts on the simulated CUDA processes of gpuswap.simcuda and keeps its record of each in that
+registry (so a daemon restart finds the process where the driver left it, as with the real
+driver, whose state lives in the process). Every rule below is what the real driver does as far
+as its documentation and issue tracker show; docs/transparent.md gives each one's source.
+
+- Only a CUDA process has checkpoint state: every call on another pid (the launcher's shell, a
+  process that exited) fails with CUDA_ERROR_INVALID_VALUE (documented return of every call;
+  the exact code for a non-CUDA pid is not documented: the most likely one).
+- lock: RUNNING -> LOCKED, after in-flight work finishes; a process with a kernel that never
+  finishes (`busy`) makes it wait `timeout_ms` and return CUDA_ERROR_NOT_READY, leaving it
+  RUNNING (NOT_READY is lock's only extra documented return; "left in the RUNNING state").
+- checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device and it vanishes from
+  the NVML process list (cuda-checkpoint README).
+- restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. The map
+  must cover every GPU (CUDA docs: "every checkpointed GPU"; NVIDIA's own migration tests and
+  cuda-checkpoint#35: a map of one pair on a 4-GPU node fails with invalid argument), else
+  CUDA_ERROR_INVALID_VALUE. Too little free memory on the target: CUDA_ERROR_OUT_OF_MEMORY, the
+  process stays CHECKPOINTED and is stuck for good: every later restore fails with
+  CUDA_ERROR_OPERATING_SYSTEM and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44).
+- unlock: LOCKED -> RUNNING. A call in the wrong state: CUDA_ERROR_ILLEGAL_STATE (documented).
+- A call on a SIGSTOPped process is refused (SIMULATED_STOPPED_PROCESS): the real calls talk to
+  the process's own restore thread (CRIU's cuda plugin resumes that thread around each call), so
+  on a stopped process they would most likely block. Unverified on real hardware; the daemon
+  never makes such a call.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, Capability, CheckpointDriver, CheckpointError, \
+    criu_verdict
+from gpuswap.node.gpus import SimulatedGpus
+from gpuswap.simcuda import Registration, SimDevice, stopped
+
+
+class SimulatedCheckpointDriver(CheckpointDriver):
+    def __init__(self, gpus: SimulatedGpus, device: SimDevice):
+        self.gpus, self.device = gpus, device
+        device.prepare()
+        self.capability = Capability(True, "SIMULATED checkpoint driver (no GPU; no memory is moved)",
+                                     migration=True, simulated=True, criu=criu_verdict())
+
+    def _proc(self, call: str, pid: int) -> tuple[Registration, dict]:
+        reg = self.device.registration(pid)
+        if reg is None:
+            raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
+        if stopped(pid):
+            raise CheckpointError(call, "SIMULATED_STOPPED_PROCESS (the real call would most likely block)")
+        return reg, self.device.driver_record(reg)
+
+    def _expect(self, call: str, pid: int, state: str) -> tuple[Registration, dict]:
+        reg, rec = self._proc(call, pid)
+        if rec["state"] != state:
+            raise CheckpointError(call, "CUDA_ERROR_ILLEGAL_STATE")
+        return reg, rec
+
+    def state(self, pid: int) -> str:
+        return self._proc("cuCheckpointProcessGetState", pid)[1]["state"]
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        reg, rec = self._expect("cuCheckpointProcessLock", pid, RUNNING)
+        if reg.busy:
+            time.sleep(timeout_ms / 1000)
+            raise CheckpointError("cuCheckpointProcessLock", "CUDA_ERROR_NOT_READY")
+        self.device.set_driver_record(reg, LOCKED, rec["gpu"])
+
+    def checkpoint(self, pid: int) -> None:
+        reg, rec = self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
+        self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"])
+
+    def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
+        call = "cuCheckpointProcessRestore"
+        reg, rec = self._expect(call, pid, CHECKPOINTED)
+        if rec["poisoned"]:
+            raise CheckpointError(call, "CUDA_ERROR_OPERATING_SYSTEM")
+        by_uuid = {self.gpus.uuid(i): i for i in range(self.gpus.count)}
+        target = rec["gpu"]
+        if gpu_map:
+            if set(gpu_map) != set(by_uuid) or not set(gpu_map.values()) <= set(by_uuid):
+                raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
+            target = by_uuid[gpu_map[self.gpus.uuid(rec["gpu"])]]
+        used = sum(b for p, g, b in self.device.resident() if g == target and p != pid)
+        if reg.nbytes > self.gpus.mem_total - used:
+            self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"], poisoned=True)
+            raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
+        self.device.set_driver_record(reg, LOCKED, target)
+
+    def unlock(self, pid: int) -> None:
+        reg, rec = self._proc("cuCheckpointProcessUnlock", pid)
+        if rec["state"] != LOCKED or rec["poisoned"]:
+            raise CheckpointError("cuCheckpointProcessUnlock", "CUDA_ERROR_ILLEGAL_STATE")
+        self.device.set_driver_record(reg, RUNNING, rec["gpu"])
