@@ -13,7 +13,8 @@ behaviour and its source).
 Layout of the state directory (the daemon's `simulated-driver/`):
   procs/PID.json   a registration, written by the process itself (sticky, world-writable dir:
                    each user's processes register themselves; nobody can replace another's file)
-  driver/PID.json  the driver's state for that process, written by the daemon only
+  driver/PID.json  the driver's state for that process, written by the daemon only (readable by
+                   name, as any user can ask NVML and the driver about a pid; not listable)
 A registration counts only while its process lives with the recorded start time and runs as the
 file's owner: a reused pid or another user's forged file is ignored.
 """
@@ -77,7 +78,8 @@ class SimDevice:
 
         make_dir(self.root, 0o711)
         make_dir(self.procs, 0o1733)       # like /tmp, but not listable by users
-        make_dir(self.driver_dir, 0o755)   # a job reads its own state (its CUDA calls block on it)
+        make_dir(self.driver_dir, 0o711)   # a job reads its own state by name (its CUDA calls block on
+                                           # it); nobody lists whose processes the driver holds
 
     # -- registrations ----------------------------------------------------------------------
     def registration(self, pid: int) -> Optional[Registration]:

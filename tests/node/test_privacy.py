@@ -78,6 +78,14 @@ def _assert_private(home: Path, owner_uid: int) -> None:
     owner may use is theirs, everything else the daemon's."""
     for root, dirs, files in os.walk(home):
         rel = Path(root).relative_to(home)
+        if rel == Path(".") and "simulated-driver" in dirs:
+            # The simulated GPUs' own state, not the daemon's: every user's CUDA processes register
+            # there and read their driver state, as any user can ask NVML about a pid. Neither of
+            # its folders can be listed, and nobody but root writes the driver's records.
+            dirs.remove("simulated-driver")
+            sim = home / "simulated-driver"
+            assert (os.stat(sim).st_mode & 0o7777, os.stat(sim / "procs").st_mode & 0o7777,
+                    os.stat(sim / "driver").st_mode & 0o7777) == (0o711, 0o1733, 0o711)
         if rel.name == "ckpt":
             dirs[:] = []      # the job's own files: protected by the directory's 0700, whatever their mode
             continue
