@@ -17,6 +17,7 @@ from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_h
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap.node.controller import Controller
+from gpuswap.node.freezer import deferred_pause_text
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher, cwd_problem
 from gpuswap.node.store import JobRecord, NewJob, Store
@@ -184,7 +185,9 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         controller.wake()
         # The controller either starts the pause (the job leaves RUNNING) or refuses it, which
         # drops the hold with the reason: a refusal is a failed request, not a success.
-        job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold, 2.0)
+        # A job whose runtime has not attached yet keeps the request (deferred, with its event).
+        job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
+                       or j.reason == deferred_pause_text(j.desired_tier or "ram"), 2.0)
         if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
             raise HTTPException(409, f"job {job_id}: {job.reason}")
         return record(job)

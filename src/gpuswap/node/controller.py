@@ -18,11 +18,13 @@ from gpuswap.jobs import JobState, format_size
 from gpuswap.node import snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import CheckpointDriver
-from gpuswap.node.freezer import Freezer, mechanism_for, tiers_for
+from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, mechanism_for,
+                                  tiers_for)
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.observe import Observer
 from gpuswap.node.store import JobRecord, Store
+from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
 
 log = logging.getLogger("gpuswap.controller")
@@ -212,12 +214,26 @@ class Controller:
         """A user's `pause` (hold) on a running job becomes a pause request, like a policy one."""
         if job.hold and job.state == JobState.RUNNING and not job.cancel_requested:
             tier = job.desired_tier or "ram"
+            if awaiting_runtime(job, now) and not self._freezable_now(job, tier):
+                # Decided on a job still importing its framework, a disk pause would be refused and
+                # a RAM one tried on a process with no CUDA state; wait for the attach (or the grace).
+                if job.reason != deferred_pause_text(tier):
+                    self.store.update(job.id, now, event=deferred_pause_text(tier))
+                return
             if tier not in tiers_for(job, self.transparent_ok):
                 self.store.update(job.id, now, hold=False, desired_tier=None,
                                   event=f"pause to {tier} refused: this job cannot be parked there "
                                         f"({self._why_not(job)})")
                 return
             self._pause(job, tier, now, "requested by user", by="user")
+
+    def _freezable_now(self, job: JobRecord, tier: str) -> bool:
+        """A RAM pause of a job not yet attached can be carried out by the driver right away if the
+        job already has a CUDA process: frozen whole, it is parked correctly whatever it turns out to be."""
+        if tier != "ram" or mechanism_for(job, self.transparent_ok) != "transparent":
+            return False
+        pid = self.launcher.observe(job.id, job.generation).job_pid
+        return bool(pid) and bool(job_cuda_processes(pid, self.gpus))
 
     def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
@@ -267,7 +283,9 @@ class Controller:
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
         if mechanism_for(job, self.transparent_ok) == "transparent":
-            return "a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
+            unattached = (f"no gpuswap runtime attached within {ATTACH_GRACE_S:g} s of its start, and "
+                          if job.pause_mode == "auto" and not job.attached else "")
+            return f"{unattached}a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
         return f"pause mode {job.pause_mode}; {self.driver.capability.reason}"
 
     def _resume(self, job: JobRecord, d: Resume, now: float) -> None:

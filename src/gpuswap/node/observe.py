@@ -12,15 +12,12 @@ from typing import Any
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
-from gpuswap.node.freezer import Freezer
+from gpuswap.node.freezer import ATTACH_GRACE_S, Freezer
 from gpuswap.node import sessions
 from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
 from gpuswap.node.store import JobRecord, Store
 
 log = logging.getLogger("gpuswap.observe")
-
-# A job that has run this long without its runtime saying hello is taken to have none.
-ATTACH_GRACE_S = 30.0
 
 
 class Observer:
