@@ -222,6 +222,9 @@ class Supervisor:
                     with self.lock:
                         rt = self.status["runtime"]
                         rt["rejected"] = rt.get("rejected", 0) + 1
+                        # Folded into the next write, like a usage report: a rejection counted after
+                        # the last write would otherwise never reach status.json.
+                        self._unsaved = True
                     if bad == 1:
                         self._log_limited(f"ignored an invalid control message ({e}); further ones are counted")
                     if bad >= MAX_BAD:
