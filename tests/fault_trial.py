@@ -393,7 +393,7 @@ def _check(d: Daemon, home: Path, expected: dict[int, tuple[str, int]], referenc
 
 def _leftovers(home: Path, problems: list[str], seed: int) -> int:
     """Processes of this trial still alive once every job ended and the daemon stopped."""
-    deadline = time.monotonic() + 15     # supervisors write the exit status, then exit
+    deadline = time.monotonic() + 120    # supervisors write the exit status, then exit
     while True:
         left = [p for p in psutil.process_iter(["pid", "cmdline"])
                 if str(home) in " ".join(p.info["cmdline"] or [])]

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 from gpuswap.api.client import Client, ClientError
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+# The least time a test waits for a fact before calling it missing (a failure detector, not a window).
+FACT_TIMEOUT_S = 180.0
 
 
 def auto_workers(cores: int, load: float) -> int:
@@ -96,8 +98,10 @@ class Daemon:
 
     def until(self, job_id: int, pred: Callable[[dict[str, Any]], bool], timeout: float = 120,
               get: Optional[str] = None) -> dict[str, Any]:
-        """Poll job `job_id` (or the record at path `get`) until `pred` holds."""
-        deadline = time.monotonic() + timeout
+        """Poll job `job_id` (or the record at path `get`) until `pred` holds. The deadline only
+        catches a fact that never comes: it is never shorter than FACT_TIMEOUT_S, however short a
+        test asks, since a loaded machine (load 20 on 2 cores) stretches every step of a job."""
+        deadline = time.monotonic() + max(timeout, FACT_TIMEOUT_S)
         while True:
             j = self.client.get(get) if get else self.job(job_id)
             if pred(j):

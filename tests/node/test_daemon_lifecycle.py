@@ -120,7 +120,7 @@ def test_logs_follow_streams_until_the_job_ends(daemon, home):
         early.append(line)
     assert daemon.job(job)["state"] == "RUNNING"
     gate.open()
-    rest, _ = follow.communicate(timeout=60)
+    rest, _ = follow.communicate(timeout=180)
     assert follow.returncode == 0
     lines = [l for l in ("".join(early) + rest).split() if l.startswith("line-")]
     assert lines == [f"line-{i}" for i in range(1, 6)]

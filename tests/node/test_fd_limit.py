@@ -26,7 +26,7 @@ def start_low_fd_daemon(home) -> Daemon:
     d.proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", *d.args], env=d.env,
                               stdout=open(home / "daemon.out", "ab"), stderr=subprocess.STDOUT,
                               preexec_fn=_low_fd_limit)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while True:
         assert d.proc.poll() is None, (home / "daemon.out").read_text()
         try:

@@ -15,7 +15,7 @@ from gpuswap_testing import train_cmd
 
 def _status(home: Path, job: int) -> dict:
     path = home / "jobs" / str(job) / "run-1" / "status.json"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not (path.exists() and json.loads(path.read_text()).get("job_pid")):
         assert time.monotonic() < deadline, "no job pid recorded"
         time.sleep(0.05)
@@ -38,7 +38,7 @@ def test_killing_a_running_jobs_supervisor_kills_its_session_before_its_gpu_is_r
                                         f'mv {pids}.tmp {pids}; echo kept > "$GPUSWAP_CKPT_DIR/ckpt-000001.pt"; wait'])
     daemon.state(orphan, "RUNNING")
     ckpt = home / "jobs" / str(orphan) / "ckpt" / "ckpt-000001.pt"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not (pids.exists() and ckpt.exists()):
         assert time.monotonic() < deadline
         time.sleep(0.05)

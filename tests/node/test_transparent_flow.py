@@ -161,7 +161,7 @@ def test_child_and_grandchild_cuda_processes_are_all_frozen_and_thawed(world):
     store, job_id, pid, gpus, driver, freezer = world
     tree = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60' & sleep 60; wait"])
     import psutil
-    deadline = time.monotonic() + 60      # both exist (sh forks them when it gets the CPU)
+    deadline = time.monotonic() + 180     # both exist (sh forks them when it gets the CPU)
     while len(kids := [p.pid for p in psutil.Process(tree.pid).children(recursive=True) if p.name() == "sleep"]) < 2:
         assert time.monotonic() < deadline, kids
         time.sleep(0.05)

@@ -106,7 +106,7 @@ class SlurmCluster:
             munge_socket=self.munge_dir / "sock", cpus=os.cpu_count() or 1))
         self._run(["/usr/sbin/slurmctld", "-i"])
         self._run(["/usr/sbin/slurmd", "-N", self.host])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             res = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
             if res.returncode == 0 and res.stdout.split() and all(
@@ -131,7 +131,7 @@ class SlurmCluster:
                 time.sleep(0.1)
 
     def _run(self, cmd: list[str]) -> None:
-        res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
+        res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
         if res.returncode != 0:
             raise RuntimeError(f"{cmd[0]} failed ({res.returncode}): {res.stderr}\n{self.logs()}")
 

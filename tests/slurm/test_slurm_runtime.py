@@ -63,7 +63,7 @@ def test_signal_checkpoints_at_safepoint_and_exits_75(tmp_path: Path, wrap: bool
     p = _demo(tmp_path, wrap=wrap)
     _wait_training(p)
     p.send_signal(signal.SIGUSR2)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=180)
     assert p.returncode == REQUEUE_EXIT_CODE, err
     assert "got SIGUSR2 from Slurm" in err
     if wrap:
@@ -87,14 +87,12 @@ def test_slurm_wrap_forwards_to_a_child_without_gpuswap(tmp_path: Path) -> None:
     """A child that never imports gpuswap simply gets the signal: SIGTERM kills it, the
     wrapper reports 143 as a shell would."""
     p = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "slurm-wrap", "--",
-                          "sh", "-c", "echo ready; exec sleep 30"],
+                          "sh", "-c", "echo ready; exec sleep 600"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"  # handlers are in place
-    t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=20)
-    assert p.returncode == 128 + signal.SIGTERM, err
-    assert time.monotonic() - t0 < 10
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 128 + signal.SIGTERM, err     # killed by the signal (a finished sleep exits 0)
 
 
 REATTACH = """

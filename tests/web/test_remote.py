@@ -137,7 +137,7 @@ def test_dashboard_and_log_tail_headers(web):
     assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
     assert page.headers["x-content-type-options"] == "nosniff" and page.headers["x-frame-options"] == "DENY"
     with web.http(web.token()) as c:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while "<script>" not in (tail := c.get(f"/v1/jobs/{job}/log/tail")).text and time.monotonic() < deadline:
             time.sleep(0.1)
         assert tail.headers["content-type"] == "text/plain; charset=utf-8"

@@ -64,10 +64,12 @@ class Bandwidths:
             if field in self.m and value > 0 and samples > 0:
                 self.m[field] = Measured(value, f"learned: {samples} real move(s) before the last restart", samples)
 
-    def calibrate(self, home: Path, simulated: bool, cuda: Any = None) -> None:
+    def calibrate(self, home: Path, simulated: bool, cuda: Any = None,
+                  clock: Callable[[], float] = time.perf_counter) -> None:
         """Disk write/read through this home's filesystem; for the RAM tier, pinned copies through
-        the CUDA driver on real GPUs (`cuda`: the cuda.bindings.driver module, or a stand-in), a
-        host memcpy on simulated ones. A figure that cannot be calibrated keeps what it has."""
+        the CUDA driver on real GPUs (`cuda`: the cuda.bindings.driver module, or a stand-in with
+        its own `clock`), a host memcpy on simulated ones. A figure that cannot be calibrated keeps
+        what it has."""
         try:
             w, r = _disk_bandwidth(home)
             self._set("disk_write_bps", w, "calibrated: 128 MiB write+fsync in the home")
@@ -80,7 +82,7 @@ class Bandwidths:
             self._set("ram_resume_bps", bps, "calibrated: host memcpy, simulated GPU")
             return
         try:
-            park, resume = pinned_copy_bandwidth(cuda)
+            park, resume = pinned_copy_bandwidth(cuda, clock=clock)
         except CudaUnavailable as e:
             log.info("RAM-tier bandwidths not calibrated: %s", e)
             return
@@ -128,12 +130,14 @@ class CudaUnavailable(Exception):
 
 
 def pinned_copy_bandwidth(cuda: Any = None, nbytes: int = PINNED_CALIBRATION_BYTES,
-                          ordinal: int = 0, repeats: int = 3) -> tuple[float, float]:
+                          ordinal: int = 0, repeats: int = 3,
+                          clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(device->host, host->device) bytes/s of pinned copies on GPU `ordinal`, best of `repeats`:
     what a RAM park and resume move at. Through the CUDA driver API (cuda.bindings.driver), never
     torch: the daemon must not import it. Every cuda-bindings call returns a tuple whose first
     element is the CUresult. The primary context is released afterwards, so the daemon keeps no
-    GPU memory; a GPU too full for the buffers (a job survived the restart) raises CudaUnavailable."""
+    GPU memory; a GPU too full for the buffers (a job survived the restart) raises CudaUnavailable.
+    `clock`: what the copies are timed with (a test double of the driver brings its own)."""
     if cuda is None:
         try:
             from cuda.bindings import driver as cuda
@@ -163,8 +167,10 @@ def pinned_copy_bandwidth(cuda: Any = None, nbytes: int = PINNED_CALIBRATION_BYT
             host = call("cuMemHostAlloc", nbytes, 0)
             dptr = call("cuMemAlloc", nbytes)
             # Both copies are synchronous for pinned memory; the synchronize is belt and braces.
-            h2d = _best(lambda: (call("cuMemcpyHtoD", dptr, host, nbytes), call("cuCtxSynchronize")), repeats)
-            d2h = _best(lambda: (call("cuMemcpyDtoH", host, dptr, nbytes), call("cuCtxSynchronize")), repeats)
+            h2d = _best(lambda: (call("cuMemcpyHtoD", dptr, host, nbytes), call("cuCtxSynchronize")), repeats,
+                        clock)
+            d2h = _best(lambda: (call("cuMemcpyDtoH", host, dptr, nbytes), call("cuCtxSynchronize")), repeats,
+                        clock)
         finally:
             if dptr is not None:
                 quietly("cuMemFree", dptr)
@@ -176,13 +182,13 @@ def pinned_copy_bandwidth(cuda: Any = None, nbytes: int = PINNED_CALIBRATION_BYT
     return nbytes / d2h, nbytes / h2d
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> float:
+def _best(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Shortest of `repeats` timed runs (the first pays one-time costs), never 0."""
     best = float("inf")
     for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return max(best, 1e-9)
 
 
