@@ -141,3 +141,35 @@ def test_selftest_on_a_real_gpu(base):
         assert ram["key"] == "ram" and ram["nvml_before"] > ram["nvml_during"] + 0.9 * ram["parked_bytes"]
         assert ram["bandwidth"]["park_gbps"] and ram["bandwidth"]["pinned_d2h_gbps"]
         assert gpu["plain_copy"]["kind"].startswith("pinned")
+
+
+def test_a_real_gpu_report_renders_bandwidths_and_a_skipped_freeze():
+    """The real-GPU report cannot run here; its drawing can: GB/s beside the pinned copy and their
+    ratio, a freeze skipped with the driver's reason (not a failure), and a JSON document."""
+    import io
+
+    from rich.console import Console
+
+    from gpuswap.selftest import report
+    from gpuswap.selftest.measure import PlainCopy
+    from gpuswap.selftest.results import GpuResult, Report
+
+    ram = Scenario("ram", status="passed", parked="ram", mechanism="cooperative", parked_bytes=4 * GiB,
+                   nvml_before=4 * GiB + 600 * MiB, nvml_during=600 * MiB, nvml_after=4 * GiB + 600 * MiB,
+                   floor=590 * MiB, rss_before=GiB, rss_during=5 * GiB, rss_after=5 * GiB, park_s=0.2, resume_s=0.25,
+                   final_state="COMPLETED", exit_code=0, job_sha256="a" * 64, reference_sha256="a" * 64)
+    ram.checks = checks.evaluate(ram, simulated=False, hold_at=jobs.HOLD_AT)
+    ram.settle()
+    freeze = Scenario("transparent", status="skipped", skip_reason="driver 550.54 predates the checkpoint API")
+    gpu = GpuResult(0, "NVIDIA H100", "GPU-1234", scenarios=[ram, freeze],
+                    plain_copy=PlainCopy("pinned host<->device copy (torch, one buffer)", 4 * GiB, 0.16, 0.17, 1.1))
+    found = Report(simulated=False, size_bytes=4 * GiB, daemon="1 NVIDIA GPU(s) via NVML", gpus=[gpu])
+    out = io.StringIO()
+    report.render(found, Console(file=out, width=250, highlight=False))
+    text = out.getvalue()
+    assert found.ok and "PASSED" in text and "SIMULATED" not in text
+    assert "21.5 GB/s, 0.80× pinned" in text                     # 4 GiB in 0.2 s beside 4 GiB in 0.16 s
+    assert "skipped: driver 550.54 predates the checkpoint API" in text
+    assert "device→host 0.16 s (26.8 GB/s)" in text
+    d = json.loads(json.dumps(found.to_json()))
+    assert d["simulated"] is False and d["gpus"][0]["scenarios"][0]["bandwidth"]["park_vs_pinned"] == pytest.approx(0.8)

@@ -7,13 +7,14 @@ AdamW's two moments, 16 bytes per parameter, nearly all in the hidden layer (hid
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from gpuswap.demo.train import N_FEATURES
 
@@ -100,3 +101,13 @@ def reference_env(simulated: bool, gpu_uuid: Optional[str]) -> dict[str, str]:
     elif gpu_uuid:
         env.update(CUDA_VISIBLE_DEVICES=gpu_uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID")
     return env
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A job's JSON file (its result, or its marker), {} while it is absent or not a JSON object
+    (the jobs write them atomically, so a half-written one is never seen)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}

@@ -59,7 +59,7 @@ def _gpu(g: GpuResult, simulated: bool, console: Console) -> None:
         t.add_column(c, overflow="fold")
     for s in g.scenarios:
         if s.status == "skipped":
-            t.add_row(plain(s.title), plain("skipped", "yellow"), plain(f"skipped: {s.skip_reason}"), *[""] * 6)
+            t.add_row(plain(s.title), plain("skipped", "yellow"), *[plain("-")] * 7)
             continue
         bw = bandwidths(s, g.plain_copy, simulated)
         t.add_row(plain(s.title), plain(s.status.upper(), "green" if s.status == "passed" else "bold red"),
@@ -70,6 +70,9 @@ def _gpu(g: GpuResult, simulated: bool, console: Console) -> None:
                   plain("equal" if s.job_sha256 and s.job_sha256 == s.reference_sha256 else "DIFFERENT"
                         if s.job_sha256 else "-"))
     console.print(t)
+    for s in g.scenarios:
+        if s.status == "skipped":      # a skip is not a failure, but its reason must be read
+            console.print(plain(f"  {s.title}: skipped: {s.skip_reason}", "yellow"))
     if simulated:
         console.print(plain(f"  {SIM_TIMES}", "yellow"))
     if g.plain_copy is not None:

@@ -15,10 +15,8 @@ the private daemon's books by placeholder jobs that use no GPU; every job's plac
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,28 +25,23 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from gpuswap.api.client import Client, ClientError
-from gpuswap.demo.story import real_gpu_count, start_private_daemon, stop_daemon
+from gpuswap.api.client import ClientError
+from gpuswap.demo.story import real_gpu_count
 from gpuswap.jobs import format_size
 from gpuswap.runtime.channel import ENV_HOME
 from gpuswap.selftest import jobs, measure
 from gpuswap.selftest.checks import evaluate
+from gpuswap.selftest.harness import Failure, PendingReference, PrivateDaemon, Reference
 from gpuswap.selftest.jobs import Files
 from gpuswap.selftest.results import Check, GpuResult, Report, Scenario
 
 GiB = 2**30
 DEFAULT_SIZE_GIB = 4.0
 SIMULATED_SIZE_GIB = 1 / 16          # 64 MiB of CPU tensors: what CI can afford
-WAIT_S = 900.0                       # a step that takes this long has failed (a loaded machine is slow)
-DAEMON_ARGS = ("--min-runtime", "0", "--pause-timeout", "600", "--max-switch-fraction", "1", "--no-calibrate")
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
-MAX_SIMULATED = 8                    # simulated GPUs: enough to test placement, each below held by a placeholder
-# Test seam: the uninterrupted reference runs with another seed, so every hash check must fail.
+MAX_SIMULATED = 8                    # simulated GPUs: enough to test placement (each below held by a placeholder)
+ALL = ("ram", "disk", "transparent")
+# Test seam: the uninterrupted references run with another seed, so every hash check must fail.
 WRONG_REFERENCE_ENV = "GPUSWAP_SELFTEST_WRONG_REFERENCE"
-
-
-class Failure(Exception):
-    """What stopped a scenario (or the run), in one line."""
 
 
 class UsageProblem(Exception):
@@ -63,32 +56,6 @@ class Options:
     only: Optional[list[str]] = None        # scenarios to run; None: all three
     keep: bool = False
     progress: Callable[[str], None] = field(default=lambda line: None)
-
-
-@dataclass
-class Reference:
-    sha256: Optional[str] = None
-    device: Optional[str] = None
-    error: str = ""
-
-
-@dataclass
-class PendingReference:
-    proc: subprocess.Popen
-    files: Files
-
-    def result(self) -> Reference:
-        try:
-            code = self.proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return Reference(error=f"the uninterrupted reference run took over {WAIT_S:.0f} s")
-        if code != 0:
-            lines = (self.files.dir / "reference.log").read_text(errors="replace").strip().splitlines()
-            return Reference(error=f"the uninterrupted reference run failed: {(lines or [f'exit {code}'])[-1]}")
-        d = _read_json(self.files.out) or {}
-        return Reference(d.get("sha256"), d.get("device"))
 
 
 def run(opts: Options) -> Report:
@@ -111,7 +78,7 @@ def run(opts: Options) -> Report:
         report.error = f"cannot make the selftest's directory: {e.strerror or e} ({e.filename or ''})"
         return report
     report.home, report.home_filesystem = str(home), measure.filesystem_of(str(home))
-    story = Story(home, simulated, size, opts, report)
+    story = Story(PrivateDaemon(home, simulated), size, opts, report)
     try:
         story.start(f"{indices[-1] + 1}x80GiB" if simulated else None)
         for n in indices:
@@ -121,9 +88,8 @@ def run(opts: Options) -> Report:
     except Exception as e:   # never a traceback: the run's jobs and daemon are cleaned up below
         report.error = f"unexpected {type(e).__name__}: {e}"
     finally:
-        story.close()
-        keep = opts.keep or not report.ok
-        if keep:
+        story.daemon.close()
+        if opts.keep or not report.ok:
             opts.progress(f"state kept in {home} (GPUSWAP_HOME={home} gpuswap ls)")
         else:
             shutil.rmtree(home, ignore_errors=True)
@@ -140,162 +106,41 @@ def _make_home() -> Path:
 
 
 class Story:
-    """The private daemon and the jobs it runs for the selftest."""
+    """The scenarios, GPU by GPU, on the private daemon."""
 
-    def __init__(self, home: Path, simulated: bool, size: int, opts: Options, report: Report):
-        self.home, self.simulated, self.size, self.opts, self.report = home, simulated, size, opts, report
-        self.say = opts.progress
-        self.work = home / "work"
-        self.daemon: Optional[subprocess.Popen] = None
-        self.client = Client(home, timeout=120)
-        self.env = jobs.job_env()
-        self.blockers: list[tuple[int, Path]] = []
-        self.live: set[int] = set()
-        self.references: list[subprocess.Popen] = []
+    def __init__(self, daemon: PrivateDaemon, size: int, opts: Options, report: Report):
+        self.daemon, self.size, self.opts, self.report = daemon, size, opts, report
+        self.simulated, self.client, self.say = daemon.simulated, daemon.client, opts.progress
         self.transparent: dict[str, Any] = {}
 
-    # -- the daemon --------------------------------------------------------------------------
     def start(self, simulate: Optional[str]) -> None:
-        self.say(f"private daemon in {self.home} ({self.report.home_filesystem}); "
+        self.say(f"private daemon in {self.daemon.home} ({self.report.home_filesystem}); "
                  + ("SIMULATED GPUs" if self.simulated else "real GPUs"))
-        self.work.mkdir()
-        self.daemon = start_private_daemon(self.home, simulate, DAEMON_ARGS, timeout=180)
-        info = self.client.get("/v1/gpus")
-        if bool(info["simulated"]) != self.simulated:
-            raise Failure(f"the private daemon's GPUs are {'' if info['simulated'] else 'not '}simulated, "
-                          "unlike what this process found")
+        info = self.daemon.start(simulate)
         self.report.daemon = info["description"]
-        self.transparent = info.get("transparent") or {}
-        self.report.transparent = self.transparent
+        self.transparent = self.report.transparent = info.get("transparent") or {}
 
-    def close(self) -> None:
-        """End every job this run started (none is left held or parked), then the daemon."""
-        for _, gate in self.blockers:
-            gate.touch()
-        for proc in self.references:       # only a run stopped early leaves one running
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if self.daemon is None:
-            return
-        for jid in sorted(self.live):
-            try:
-                self.client.post(f"/v1/jobs/{jid}/cancel")
-            except ClientError:
-                pass
-        deadline = time.monotonic() + 60
-        while self.live and time.monotonic() < deadline:
-            for jid in sorted(self.live):
-                try:
-                    if self.client.get(f"/v1/jobs/{jid}")["state"] in TERMINAL:
-                        self.live.discard(jid)
-                except ClientError:
-                    self.live.discard(jid)
-            time.sleep(0.2)
-        stop_daemon(self.daemon)
-        self.client.close()
-
-    # -- jobs --------------------------------------------------------------------------------
-    def submit(self, argv: list[str], name: str, pause_mode: str = "cooperative", priority: str = "normal",
-               preemptible: bool = True, cwd: Optional[Path] = None) -> int:
-        jid = int(self.client.post("/v1/jobs", {
-            "argv": argv, "cwd": str(cwd or self.work), "env": self.env, "name": name, "priority": priority,
-            "gpus": 1, "pause_mode": pause_mode, "preemptible": preemptible})["id"])
-        self.live.add(jid)
-        return jid
-
-    def job(self, jid: int) -> dict[str, Any]:
-        j = self.client.get(f"/v1/jobs/{jid}")
-        if j["state"] in TERMINAL:
-            self.live.discard(jid)
-        return j
-
-    def until(self, jid: int, pred: Callable[[dict[str, Any]], bool], what: str,
-              fail: Optional[Callable[[dict[str, Any]], bool]] = None) -> dict[str, Any]:
-        """Poll job `jid` until `pred` holds; a job that ends (or meets `fail`) first is a Failure."""
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            j = self.job(jid)
-            if pred(j):
-                return j
-            if j["state"] in TERMINAL or (fail is not None and fail(j)):
-                raise Failure(f"job {jid} is {j['state']} ({j['reason']}) instead of {what}")
-            if time.monotonic() > deadline:
-                raise Failure(f"job {jid} was not {what} within {WAIT_S:.0f} s ({j['state']}: {j['reason']})")
-            time.sleep(0.05)
-
-    def wait_marker(self, jid: int, path: Path, not_pid: Optional[int] = None) -> dict[str, Any]:
-        """The job's marker ({"pid", ...}) once it is held (written by a process other than `not_pid`)."""
-        deadline, next_look = time.monotonic() + WAIT_S, 0.0
-        while True:
-            m = _read_json(path)
-            if m is not None and m.get("pid") != not_pid:
-                return m
-            now = time.monotonic()
-            if now >= next_look:
-                j = self.job(jid)
-                if j["state"] in TERMINAL:
-                    raise Failure(f"job {jid} ended {j['state']} ({j['reason']}) before it was held")
-                next_look = now + 0.5
-            if now > deadline:
-                raise Failure(f"job {jid} was not held at its step within {WAIT_S:.0f} s")
-            time.sleep(0.05)
-
-    def placed_on(self, jid: int, n: int) -> None:
-        got = self.job(jid)["assigned_gpus"]
-        if got != [n]:
-            raise Failure(f"the private daemon placed job {jid} on GPU {got}, not on GPU {n}")
-
-    def finish(self, jid: int, gate: Path) -> dict[str, Any]:
-        gate.touch()
-        return self.until(jid, lambda j: j["state"] in TERMINAL, "ended")
-
-    def hold_gpus_below(self, n: int) -> None:
-        """Placeholder jobs on GPUs 0..n-1, so that the next job lands on GPU n."""
-        while len(self.blockers) < n:
-            i = len(self.blockers)
-            gate = self.work / f"blocker{i}.gate"
-            jid = self.submit(jobs.blocker_argv(gate), f"selftest-placeholder-{i}", priority="high",
-                              preemptible=False)
-            self.blockers.append((jid, gate))
-            self.until(jid, lambda j: j["state"] == "RUNNING", "running")
-            self.placed_on(jid, i)
-
-    def reference(self, argv: list[str], files: Files, uuid: Optional[str]) -> "PendingReference":
-        """Start the job uninterrupted outside gpuswap (its gate open from the start); `.result()`
-        waits for it. References run beside each other and beside the floor probe: no figure is
-        taken from them, and each costs a Python and PyTorch start-up."""
-        files.make()
-        files.gate.touch()
-        log = open(files.dir / "reference.log", "wb")
-        proc = subprocess.Popen(argv, env=jobs.reference_env(self.simulated, uuid), cwd=files.dir,
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self.references.append(proc)
-        return PendingReference(proc, files)
-
-    # -- one GPU -----------------------------------------------------------------------------
     def gpu(self, n: int) -> GpuResult:
         info = next(i for i in self.client.get("/v1/gpus")["gpus"] if i["index"] == n)
         g = GpuResult(n, info["name"], info["uuid"], bool(info["simulated"]))
         uuid = None if self.simulated else info["uuid"]
-        only = set(self.opts.only or ("ram", "disk", "transparent"))
+        only = set(self.opts.only or ALL)
         self.say(f"GPU {'sim ' if g.simulated else ''}{n} ({g.name}): --size {format_size(self.size)}")
         if not self._room(g, info):
             return g
-        self.hold_gpus_below(n)
+        self.daemon.hold_gpus_below(n)
         seed = jobs.SEED + (1 if os.environ.get(WRONG_REFERENCE_ENV) == "1" else 0)
-        base = self.work / f"gpu{n}"
+        base = self.daemon.work / f"gpu{n}"
         hidden = jobs.hidden_for(self.size)
-        coop_ref = plain_ref = None
+        coop_ref = plain_ref = None          # both run beside the floor probe, off every timed window
         if only & {"ram", "disk"}:
             self.say("  reference: the cooperative job run uninterrupted, outside gpuswap")
             files = Files(base / "coop-reference")
-            coop_ref = self.reference(jobs.coop_argv(files, hidden, seed=seed), files, uuid)
+            coop_ref = self.daemon.reference(jobs.coop_argv(files, hidden, seed=seed), files, uuid)
         if "transparent" in only and self.transparent.get("available"):
             self.say("  reference: the unmodified script run uninterrupted, outside gpuswap")
             files = Files(base / "plain-reference")
-            plain_ref = self.reference(jobs.plain_argv(files, self.size, seed=seed), files, uuid)
+            plain_ref = self.daemon.reference(jobs.plain_argv(files, self.size, seed=seed), files, uuid)
         if "ram" in only:
             self._floor(g, base)
         if coop_ref is not None:
@@ -304,7 +149,7 @@ class Story:
                 g.scenarios.append(self._coop(g, "ram", hidden, ref, base))
                 parked = g.scenarios[-1].parked_bytes or jobs.coop_state_bytes(hidden)
                 self.say(f"  plain copy of {format_size(parked)} for comparison")
-                g.plain_copy = measure.plain_copy(parked, self.simulated, uuid, self.env)
+                g.plain_copy = measure.plain_copy(parked, self.simulated, uuid, self.daemon.env)
                 if g.plain_copy.error:
                     g.checks.append(Check("plain pinned copy timed", False, g.plain_copy.error))
             if "disk" in only:
@@ -321,8 +166,8 @@ class Story:
         return ref
 
     def _room(self, g: GpuResult, info: dict[str, Any]) -> bool:
-        """On a real GPU, room for the largest job and the copy; in RAM, for a park and the copy."""
-        need_gpu = int(2.5 * self.size) + 2 * GiB      # both references at once: AdamW's temporaries, contexts
+        """On a real GPU, room for both references side by side; in host RAM, for a park and the copy."""
+        need_gpu = int(2.5 * self.size) + 2 * GiB      # AdamW's temporaries, three CUDA contexts
         need_ram = 2 * self.size + GiB
         free_gpu = info["mem_total"] - (info["mem_used"] or 0)
         free_ram = measure.mem_available()
@@ -343,135 +188,96 @@ class Story:
         self.say("  floor probe: the same job with a few KiB of state")
         jid = None
         try:
-            jid = self.submit(jobs.coop_argv(files, jobs.PROBE_HIDDEN, jobs.PROBE_STEPS, jobs.PROBE_HOLD_AT),
-                              "selftest-floor", cwd=files.dir)
-            m = self.wait_marker(jid, files.marker)
-            self.placed_on(jid, g.index)
-            r = measure.read(self.client, int(m["pid"]))
-            g.floor = r.nvml_bytes
+            jid = self.daemon.submit(jobs.coop_argv(files, jobs.PROBE_HIDDEN, jobs.PROBE_STEPS, jobs.PROBE_HOLD_AT),
+                                     "selftest-floor", cwd=files.dir)
+            m = self.daemon.wait_marker(jid, files.marker)
+            self.daemon.placed_on(jid, g.index)
+            g.floor = measure.read(self.client, int(m["pid"])).nvml_bytes
             if g.floor is None:
                 g.floor_error = "NVML gave no per-process figure for the probe"
-            j = self.finish(jid, files.gate)
+            j = self.daemon.finish(jid, files.gate)
             if j["state"] != "COMPLETED":
                 g.floor_error = f"the probe ended {j['state']}: {j['reason']}"
         except (Failure, ClientError, OSError, ValueError) as e:
             g.floor_error = str(e)
-            self._abandon(jid, files)
+            self.daemon.abandon(jid, files)
         if g.floor_error:
             g.checks.append(Check("context floor measured", False, g.floor_error))
 
-    def _abandon(self, jid: Optional[int], files: Files) -> None:
-        files.gate.touch()
-        if jid is not None and jid in self.live:
-            try:
-                self.client.post(f"/v1/jobs/{jid}/cancel")
-            except ClientError:
-                pass
-
+    # -- the scenarios -------------------------------------------------------------------------
     def _coop(self, g: GpuResult, tier: str, hidden: int, ref: Reference, base: Path) -> Scenario:
         s = Scenario(tier, reference_sha256=ref.sha256, reference_device=ref.device, floor=g.floor)
         files = Files(base / tier).make()
         self.say(f"  {s.title}")
         try:
-            s.job_id = self.submit(jobs.coop_argv(files, hidden), f"selftest-{tier}", cwd=files.dir)
-            s.job_pid = int(self.wait_marker(s.job_id, files.marker)["pid"])
-            self.placed_on(s.job_id, g.index)
-            before = self._before(s, s.job_pid)
-            j = self._pause(s, tier)
-            during = measure.read(self.client, s.job_pid, before.pids)
-            self._during(s, before, during)
-            t0 = time.monotonic()
-            self.client.post(f"/v1/jobs/{s.job_id}/resume")
-            self.until(s.job_id, lambda j: j["state"] == "RUNNING" and j["parked"] is None, "resumed")
-            s.resume_end_to_end_s = time.monotonic() - t0
-            pid = s.job_pid
-            if tier == "disk":    # restarted: a new process, held again at the step after its checkpoint
-                pid = s.job_pid_after = int(self.wait_marker(s.job_id, files.marker, not_pid=s.job_pid)["pid"])
-            self.placed_on(s.job_id, g.index)
-            after = measure.read(self.client, pid)
-            s.nvml_after, s.rss_after = after.nvml_bytes, after.rss_bytes
-            self._end(s, files, tier)
+            s.job_id = self.daemon.submit(jobs.coop_argv(files, hidden), f"selftest-{tier}", cwd=files.dir)
+            s.job_pid = int(self.daemon.wait_marker(s.job_id, files.marker)["pid"])
+            self._cycle(s, g, files, tier, root=s.job_pid)
         except (Failure, ClientError, OSError, ValueError) as e:
             s.error = str(e)
-            self._abandon(s.job_id, files)
-        s.checks = evaluate(s, self.simulated, jobs.HOLD_AT)
-        s.settle()
-        self.say(f"    {s.status}")
-        return s
+            self.daemon.abandon(s.job_id, files)
+        return self._settle(s)
 
     def _transparent(self, g: GpuResult, base: Path, ref: Reference) -> Scenario:
         s = Scenario("transparent", reference_sha256=ref.sha256, reference_device=ref.device)
         if not self.transparent.get("available"):
-            s.status, s.skip_reason = "skipped", str(self.transparent.get("description") or "the driver path is unavailable")
+            s.status = "skipped"
+            s.skip_reason = str(self.transparent.get("description") or "the driver path is unavailable")
             self.say(f"  {s.title}: skipped ({s.skip_reason})")
             return s
         files = Files(base / "transparent").make()
         self.say(f"  {s.title}")
         try:
-            s.job_id = self.submit(jobs.under_shell(jobs.plain_argv(files, self.size)), "selftest-freeze",
-                                   pause_mode="transparent", cwd=files.dir)
-            m = self.wait_marker(s.job_id, files.marker)
+            s.job_id = self.daemon.submit(jobs.under_shell(jobs.plain_argv(files, self.size)), "selftest-freeze",
+                                          pause_mode="transparent", cwd=files.dir)
+            m = self.daemon.wait_marker(s.job_id, files.marker)
             s.job_pid, s.shell_pid = int(m["pid"]), int(m["ppid"])
             s.shell_name = _name(s.shell_pid)
-            self.placed_on(s.job_id, g.index)
-            before = self._before(s, s.shell_pid)
-            self._pause(s, "ram")
-            during = measure.read(self.client, s.shell_pid, before.pids)
-            self._during(s, before, during)
-            t0 = time.monotonic()
-            self.client.post(f"/v1/jobs/{s.job_id}/resume")
-            self.until(s.job_id, lambda j: j["state"] == "RUNNING" and j["parked"] is None, "thawed")
-            s.resume_end_to_end_s = time.monotonic() - t0
-            self.placed_on(s.job_id, g.index)
-            after = measure.read(self.client, s.shell_pid, before.pids)
-            s.nvml_after, s.rss_after = after.nvml_bytes, after.rss_bytes
-            self._end(s, files, "transparent")
+            self._cycle(s, g, files, "ram", root=s.shell_pid)
         except (Failure, ClientError, OSError, ValueError) as e:
             s.error = str(e)
-            self._abandon(s.job_id, files)
+            self.daemon.abandon(s.job_id, files)
+        return self._settle(s)
+
+    def _cycle(self, s: Scenario, g: GpuResult, files: Files, tier: str, root: int) -> None:
+        """Look, pause, look, resume, look, let the job finish: the story every scenario tells.
+        `root`: the job's process tree to look at (after a disk park, the restarted process's)."""
+        assert s.job_id is not None
+        jid, d = s.job_id, self.daemon
+        d.placed_on(jid, g.index)
+        before = measure.read(self.client, root)
+        s.nvml_before, s.nvml_processes_before, s.rss_before = before.nvml_bytes, before.nvml_processes, before.rss_bytes
+        t0 = time.monotonic()
+        self.client.post(f"/v1/jobs/{jid}/pause", {"to": tier})
+        j = d.until(jid, lambda j: j["state"] == "PAUSED", f"parked ({tier})",
+                    fail=lambda j: j["state"] == "RUNNING" and not j["held"])     # refused or failed: says why
+        s.park_end_to_end_s = time.monotonic() - t0
+        s.parked, s.mechanism, s.parked_bytes = j["parked"], j["mechanism"], j["parked_bytes"]
+        during = measure.read(self.client, root, before.pids)
+        s.nvml_during, s.nvml_processes_during, s.rss_during = during.nvml_bytes, during.nvml_processes, during.rss_bytes
+        s.mem_available_drop = before.mem_available - during.mem_available
+        t0 = time.monotonic()
+        self.client.post(f"/v1/jobs/{jid}/resume")
+        d.until(jid, lambda j: j["state"] == "RUNNING" and j["parked"] is None, "running again")
+        s.resume_end_to_end_s = time.monotonic() - t0
+        if tier == "disk":    # restarted: a new process, held again at the step after its checkpoint
+            root = s.job_pid_after = int(d.wait_marker(jid, files.marker, not_pid=s.job_pid)["pid"])
+        d.placed_on(jid, g.index)
+        after = measure.read(self.client, root, [] if tier == "disk" else before.pids)
+        s.nvml_after, s.rss_after = after.nvml_bytes, after.rss_bytes
+        j = d.finish(jid, files.gate)
+        s.final_state, s.exit_code = j["state"], j["exit_code"]
+        events = self.client.get(f"/v1/jobs/{jid}")["events"]
+        s.park_s, s.resume_s = measure.move_seconds(events, s.key)
+        s.restarted_at_step = measure.restarted_at(events)
+        result = jobs.read_result(files.out)
+        s.job_sha256, s.job_device = result.get("sha256"), result.get("device")
+
+    def _settle(self, s: Scenario) -> Scenario:
         s.checks = evaluate(s, self.simulated, jobs.HOLD_AT)
         s.settle()
         self.say(f"    {s.status}")
         return s
-
-    # -- the steps every scenario shares -----------------------------------------------------
-    def _before(self, s: Scenario, root: int) -> measure.Reading:
-        r = measure.read(self.client, root)
-        s.nvml_before, s.nvml_processes_before, s.rss_before = r.nvml_bytes, r.nvml_processes, r.rss_bytes
-        return r
-
-    def _pause(self, s: Scenario, tier: str) -> dict[str, Any]:
-        assert s.job_id is not None
-        t0 = time.monotonic()
-        self.client.post(f"/v1/jobs/{s.job_id}/pause", {"to": tier})
-        j = self.until(s.job_id, lambda j: j["state"] == "PAUSED", f"parked ({tier})",
-                       fail=lambda j: j["state"] == "RUNNING" and not j["held"])
-        s.park_end_to_end_s = time.monotonic() - t0
-        s.parked, s.mechanism, s.parked_bytes = j["parked"], j["mechanism"], j["parked_bytes"]
-        return j
-
-    def _during(self, s: Scenario, before: measure.Reading, during: measure.Reading) -> None:
-        s.nvml_during, s.nvml_processes_during = during.nvml_bytes, during.nvml_processes
-        s.rss_during = during.rss_bytes
-        s.mem_available_drop = before.mem_available - during.mem_available
-
-    def _end(self, s: Scenario, files: Files, kind: str) -> None:
-        assert s.job_id is not None
-        j = self.finish(s.job_id, files.gate)
-        s.final_state, s.exit_code = j["state"], j["exit_code"]
-        events = self.client.get(f"/v1/jobs/{s.job_id}")["events"]
-        s.park_s, s.resume_s = measure.move_seconds(events, kind)
-        s.restarted_at_step = measure.restarted_at(events)
-        result = _read_json(files.out) or {}
-        s.job_sha256, s.job_device = result.get("sha256"), result.get("device")
-
-
-def _read_json(path: Path) -> Optional[dict[str, Any]]:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
 
 
 def _name(pid: int) -> Optional[str]:
