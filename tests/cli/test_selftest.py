@@ -162,7 +162,7 @@ def test_a_real_gpu_report_renders_bandwidths_and_a_skipped_freeze():
     ram.settle()
     freeze = Scenario("transparent", status="skipped", skip_reason="driver 550.54 predates the checkpoint API")
     gpu = GpuResult(0, "NVIDIA H100", "GPU-1234", scenarios=[ram, freeze],
-                    plain_copy=PlainCopy("pinned host<->device copy (torch, one buffer)", 4 * GiB, 0.16, 0.17, 1.1))
+                    plain_copy=PlainCopy("pinned host<->device copies", 4 * GiB, 0.16, 0.17, 1.1))
     found = Report(simulated=False, size_bytes=4 * GiB, daemon="1 NVIDIA GPU(s) via NVML", gpus=[gpu])
     out = io.StringIO()
     report.render(found, Console(file=out, width=250, highlight=False))

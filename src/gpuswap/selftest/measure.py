@@ -124,7 +124,7 @@ def plain_copy(nbytes: int, simulated: bool, gpu_uuid: Optional[str], env: dict[
     process never holds a CUDA context); on simulated GPUs, a host memcpy here."""
     if simulated:
         return _host_memcpy(nbytes)
-    kind = "pinned host<->device copy (torch, one buffer)"
+    kind = "pinned host<->device copies (torch; 256 MiB host buffers, one device buffer)"
     env = dict(env, CUDA_VISIBLE_DEVICES=gpu_uuid or "", CUDA_DEVICE_ORDER="PCI_BUS_ID")
     try:
         r = subprocess.run([sys.executable, "-m", "gpuswap.selftest.pinned", str(nbytes), str(REPEATS)],
