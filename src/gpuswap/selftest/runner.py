@@ -15,6 +15,7 @@ the private daemon's books by placeholder jobs that use no GPU; every job's plac
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -72,6 +73,9 @@ def run(opts: Options) -> Report:
     if size < 2**20:
         raise UsageProblem(f"--size {size_gib:g} GiB is too small: at least 1 MiB")
     report = Report(simulated=simulated, size_bytes=size)
+    if importlib.util.find_spec("torch") is None:
+        report.error = "the bundled jobs need PyTorch, which is not installed here: pip install 'gpuswap[torch]'"
+        return report
     try:
         home = _make_home()
     except OSError as e:
