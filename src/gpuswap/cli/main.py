@@ -66,6 +66,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _gib(text: str) -> float:
+    """A positive, finite number of GiB (fractions allowed: 0.5)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0 or value > 2**20:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of GiB > 0")
+    return value
+
+
 def _duration(text: str) -> Optional[float]:
     from gpuswap.node.retention import parse_duration
 
@@ -166,6 +177,21 @@ def build_parser() -> Parser:
                    help="keep the demo's state directory (made inside $GPUSWAP_HOME when set, else in /tmp)")
     s.add_argument("--steps", type=int, default=400, help="training steps of the long job")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("selftest", help="prove on this machine's GPUs, under a private daemon, that jobs park "
+                                        "and resume exactly (exit 0 only if every check holds)")
+    s.add_argument("--gpu", type=_count, action="append", metavar="N",
+                   help="test GPU N, as `gpuswap gpus` numbers them (repeatable; default: every GPU)")
+    s.add_argument("--size", type=_gib, metavar="GiB",
+                   help="GiB of state each bundled job holds (default 4; 1/16 on simulated GPUs)")
+    s.add_argument("--simulate", action="store_true",
+                   help="use simulated GPUs even where there are real ones: nothing real is measured")
+    s.add_argument("--only", action="append", choices=("ram", "disk", "transparent"),
+                   help="run only this scenario (repeatable; default: all three)")
+    s.add_argument("--keep", action="store_true",
+                   help="keep the private daemon's directory (it is kept anyway when a check fails)")
+    s.add_argument("--json", action="store_true", help="print one JSON document with every figure and check")
+    s.set_defaults(func=cmd_selftest)
 
     from gpuswap.cli import remote, top   # issue 6: tokens, dashboard URL, live terminal view
     remote.register(sub, lambda: _client(), _out)
@@ -303,6 +329,29 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from gpuswap.demo.story import run_demo
 
     return run_demo(keep=a.keep, steps=a.steps)
+
+
+def cmd_selftest(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gpuswap.cli.render import console, plain, print_json
+    from gpuswap.selftest import report, runner
+
+    err, t0 = Console(stderr=True, highlight=False), time.monotonic()
+    opts = runner.Options(gpus=a.gpu, size_gib=a.size, simulate=a.simulate, only=a.only, keep=a.keep,
+                          progress=lambda line: err.print(plain(f"{time.monotonic() - t0:6.1f}s  {line}", "dim"),
+                                                           soft_wrap=True))
+    try:
+        found = runner.run(opts)
+    except runner.UsageProblem as e:
+        raise UsageError(f"gpuswap selftest: {e}") from None
+    if a.json:
+        if found.simulated:
+            report.banner(err)
+        print_json(found.to_json())
+    else:
+        report.render(found, console)
+    return 0 if found.ok else EX_FAILURE
 
 
 # -- plumbing ------------------------------------------------------------------------------------

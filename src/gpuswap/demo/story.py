@@ -27,7 +27,8 @@ from gpuswap.runtime.channel import ENV_HOME
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
-def _real_gpu_count() -> int:
+def real_gpu_count() -> int:
+    """NVIDIA GPUs NVML sees here; 0 without a driver or library (then one simulates)."""
     try:
         from gpuswap.node.gpus import NvmlGpus
 
@@ -36,23 +37,39 @@ def _real_gpu_count() -> int:
         return 0
 
 
-def _start_daemon(home: Path, simulate: Optional[str]) -> subprocess.Popen:
-    args = [sys.executable, "-m", "gpuswap.cli.main", "server", "--min-runtime", "2", "--pause-timeout", "30"]
+DEMO_DAEMON_ARGS = ("--min-runtime", "2", "--pause-timeout", "30")
+
+
+def start_private_daemon(home: Path, simulate: Optional[str], args: tuple[str, ...] = DEMO_DAEMON_ARGS,
+                         timeout: float = 30.0) -> subprocess.Popen:
+    """A `gpuswap server` of its own on `home` (its socket, its database), never the machine's
+    daemon; returns once it answers. Its output goes to home/daemon.log."""
+    argv = [sys.executable, "-m", "gpuswap.cli.main", "server", *args]
     if simulate:
-        args += ["--simulate-gpus", simulate]
+        argv += ["--simulate-gpus", simulate]
     env = dict(os.environ, GPUSWAP_HOME=str(home))
-    proc = subprocess.Popen(args, env=env, stdout=open(home / "daemon.log", "ab"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=env, stdout=open(home / "daemon.log", "ab"), stderr=subprocess.STDOUT)
     client = Client(home)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the demo daemon exited: {(home / 'daemon.log').read_text()[-500:]}")
+            raise RuntimeError(f"the private daemon exited: {(home / 'daemon.log').read_text()[-500:]}")
         try:
             client.get("/v1/health")
             return proc
         except ClientError:
             time.sleep(0.1)
-    raise RuntimeError("the demo daemon did not start within 30 s")
+    stop_daemon(proc)
+    raise RuntimeError(f"the private daemon did not start within {timeout:.0f} s")
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class Watch:
@@ -95,7 +112,7 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         console.print(f"[red]demo failed:[/red] cannot make its directory in {where} ({ENV_HOME}): "
                       f"{escape(e.strerror or str(e))}")
         return 1
-    ngpus = _real_gpu_count()
+    ngpus = real_gpu_count()
     simulate = None if ngpus else "1x80GiB"
     where = f"{ngpus} real GPU(s)" if ngpus else "1 SIMULATED GPU (no real GPU here; memory figures are the jobs' own)"
     console.print(f"[bold]gpuswap demo[/bold] in {home}: {where}")
@@ -110,7 +127,7 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         console.print(f"   parameters sha256 {reference['sha256'][:16]}…")
 
         console.print("2. daemon started; a long low-priority job takes the GPU(s)")
-        daemon = _start_daemon(home, simulate)
+        daemon = start_private_daemon(home, simulate)
         client = Client(home)
         t0 = time.monotonic()
         watch = Watch(client, t0)
@@ -154,11 +171,7 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         return 1
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            stop_daemon(daemon)
         if keep:
             console.print(f"  state kept in {home} (GPUSWAP_HOME={home} gpuswap ls)")
         else:
