@@ -105,8 +105,7 @@ def is_device(t: Any, simulated: bool) -> bool:
 def device_bytes(tensors: Iterable[Any], simulated: bool) -> int:
     """Bytes of device memory held by these tensors, each storage counted once (a wrapper's inner
     tensors counted; one whose memory cannot be reached, by its elements)."""
-    found = reach.survey(tensors, simulated)
-    return found.nbytes + found.unreachable_bytes
+    return reach.device_bytes(tensors, simulated)
 
 
 def _byte_view(storage: Any) -> Any:
@@ -170,7 +169,7 @@ def copy_to_host(tensors: Iterable[Any], simulated: bool, tier: str = "ram",
         for i, host in park.lease.buffers():
             key, e = entries[i]
             host.copy_(_byte_view(e.storage), non_blocking=True)
-            users = [] if e.resizable else [(u, (u.storage_offset(), u.size(), u.stride())) for u in e.users]
+            users = [(u, (u.storage_offset(), u.size(), u.stride())) for u in e.users]
             park.slots[key] = _Slot(e.storage, host, e.nbytes, e.device, e.resizable, users)
             park.nbytes += e.nbytes
         _synchronize(devices)

@@ -43,12 +43,15 @@ from typing import Any, Iterator, Optional, Protocol
 
 ALIGN = 64                  # each buffer's offset in its slab (any dtype's alignment)
 PAGE = mmap.PAGESIZE
-SLAB_BYTES = 1 << 30        # a new slab holds at most this much, unless one storage is larger
+SLAB_BYTES = 256 << 20      # a new slab holds at most this much, unless one storage is larger:
+                            # small enough that copies start early and several pin at once
 MAX_OVERHEAD = 1.25         # host bytes a layout may hold per parked byte before it is redone fresh
 ENV_KEEP = "GPUSWAP_PINNED_KEEP_S"
 DEFAULT_KEEP_S = 30.0
 MAX_KEEP_S = 3600.0
-PIN_WORKERS = 4
+# Faulting in and pinning fresh pages is CPU work (the kernel zeroes each page); the training
+# thread is blocked in the park meanwhile, so the job's CPUs are free to do it in parallel.
+PIN_WORKERS = min(8, max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
 CUDA_HOST_REGISTER_PORTABLE = 1   # pinned for every context of the process, as torch's own helper
 
 

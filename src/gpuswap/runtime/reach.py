@@ -23,13 +23,15 @@ MAX_DEPTH = 8  # wrappers of wrappers (a DTensor of Float8) are a few levels dee
 
 @dataclass
 class Storage:
-    """One distinct device storage and the plain tensors seen on it."""
+    """One distinct device storage; for one torch cannot resize, the plain tensors seen on it
+    (a park points each of them at a placeholder and back)."""
 
     storage: Any
     nbytes: int
     device: Any
     resizable: bool
     users: list[Any] = field(default_factory=list)
+    user_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -83,8 +85,47 @@ def _on_device(t: Any, simulated: bool) -> bool:
     return t.device.type == "cpu" if simulated else t.device.type == "cuda"
 
 
+_PLAIN: frozenset[type] = frozenset()
+
+
+def _plain(t: Any) -> bool:
+    """A plain tensor or parameter: the common case, decided without the wrapper protocol."""
+    global _PLAIN
+    if not _PLAIN:
+        import torch
+
+        _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+    return type(t) in _PLAIN
+
+
+def _unwrapped(t: Any, depth: int = 0) -> Iterator[Any]:
+    """The tensors holding a wrapper's memory (a non-traceable one stands for itself)."""
+    if depth < MAX_DEPTH and not _plain(t) and is_wrapper(t):
+        for _, inner in inner_tensors(t):
+            yield from _unwrapped(inner, depth + 1)
+    else:
+        yield t
+
+
+def device_bytes(tensors: Iterable[Any], simulated: bool) -> int:
+    """What `survey(...).nbytes + unreachable_bytes` says, cheaply: it runs at every usage
+    measurement of a job that may hold many thousands of tensors."""
+    seen: dict[int, int] = {}
+    extra = 0
+    for t in tensors:
+        for leaf in [t] if _plain(t) else _unwrapped(t):
+            if (leaf.device.type != "cpu") if simulated else not leaf.is_cuda:
+                continue
+            try:
+                st = leaf.untyped_storage()
+                seen[st._cdata] = st.nbytes()
+            except Exception:
+                extra += leaf.numel() * leaf.element_size()
+    return sum(seen.values()) + extra
+
+
 def _leaves(t: Any, depth: int, out: Survey, simulated: bool) -> None:
-    if is_wrapper(t):
+    if not _plain(t) and is_wrapper(t):
         if depth >= MAX_DEPTH:
             out.unreachable.append(f"a {type(t).__name__} nested deeper than {MAX_DEPTH} wrappers")
             return
@@ -104,7 +145,8 @@ def _leaves(t: Any, depth: int, out: Survey, simulated: bool) -> None:
         if st.nbytes() == 0:
             return
         entry = out.storages[st._cdata] = Storage(st, st.nbytes(), st.device, st.resizable())
-    if not any(u is t for u in entry.users):
+    if not entry.resizable and id(t) not in entry.user_ids:
+        entry.user_ids.add(id(t))
         entry.users.append(t)
 
 
