@@ -107,3 +107,20 @@ def test_lowered_budget_makes_the_policy_spill_a_ram_parked_job(make_daemon, hom
     d.state(urgent, "COMPLETED", timeout=60)
     d.state(low, "COMPLETED", timeout=120)
     assert json.loads((home / "low.json").read_text())["sha256"] == reference_hashes(steps, hidden)
+
+
+def test_a_ram_pause_that_became_a_disk_park_says_why_in_the_event(daemon):
+    """The runtime's `checkpointed` note (over the RAM budget, a CUDA graph) reaches the event."""
+    import sys
+    from pathlib import Path
+
+    import noted_job
+
+    job = daemon.submit([sys.executable, str(Path(__file__).parent / "noted_job.py")], name="noted")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
+    j = daemon.until(job, lambda j: any("parked to disk" in e["reason"] for e in j["events"]))
+    (event,) = [e["reason"] for e in j["events"] if "parked to disk" in e["reason"]]
+    assert event.endswith(f"; requeued ({noted_job.NOTE})"), event
+    assert daemon.cli("cancel", str(job)).returncode == 0
+    daemon.state(job, "CANCELLED")

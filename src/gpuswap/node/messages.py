@@ -104,6 +104,7 @@ class Checkpointed(_Msg):
     bytes: Bytes = 0
     seconds: Optional[Seconds] = None
     step: Step = None
+    note: Optional[Text] = None     # why a RAM pause became this disk park (budget, CUDA graph)
 
 
 class Error(_Msg):
@@ -146,7 +147,7 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
         "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
-        "restore_note": Optional[Note], "restore_failed": Note,
+        "restore_note": Optional[Note], "restore_failed": Note, "ckpt_note": Optional[Text],
     }.items()
 }
 

@@ -180,7 +180,8 @@ class Observer:
                 job.id, now, state=JobState.PAUSED, parked="disk", parked_bytes=nbytes, home_gpus=[],
                 step=rt.get("step"), mechanism="cooperative", **common,
                 event=f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} "
-                      f"written in {rt.get('pause_s') or 0:.2f} s; requeued")
+                      f"written in {rt.get('pause_s') or 0:.2f} s; requeued"
+                      + (f" ({rt['ckpt_note']})" if rt.get("ckpt_note") else ""))
             return
         common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
         if rt.get("restore_failed") and not job.cancel_requested:

@@ -276,7 +276,7 @@ class Supervisor:
                 self.sent = None
             elif isinstance(msg, messages.Checkpointed):
                 rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
-                          step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path)
+                          step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path, ckpt_note=msg.note)
                 self.sent = None
             elif isinstance(msg, messages.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
                 rt.update(restore_failed=msg.message)

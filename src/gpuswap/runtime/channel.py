@@ -19,8 +19,9 @@ runtime -> supervisor
       # device_bytes as measured at the last safepoint (never walked from another thread)
   {"op": "paused", "tier": "ram", "bytes": int, "seconds": float, "step": int}
   {"op": "resumed", "bytes": int, "seconds": float}
-  {"op": "checkpointed", "path": str, "bytes": int, "seconds": float, "step": int}
-      # then the process exits with gpuswap.jobs.REQUEUE_EXIT_CODE
+  {"op": "checkpointed", "path": str, "bytes": int, "seconds": float, "step": int, "note": str?}
+      # then the process exits with gpuswap.jobs.REQUEUE_EXIT_CODE; `note`: why a RAM pause
+      # became a disk park (over the RAM budget, or a CUDA graph that pins device addresses)
   {"op": "error", "message": str}                                  # a park failed; job runs on
 
 supervisor -> runtime

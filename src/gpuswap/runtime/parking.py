@@ -1,25 +1,42 @@
 """Park device memory in host RAM and bring it back into the very same tensor objects.
 
-Parking works on storages, not tensors: every attached device tensor's storage is copied to a
-host buffer (pinned when it is CUDA memory, so copies run at full PCIe speed) and then resized to
-zero bytes, which hands its memory back to the caching allocator (then `empty_cache` returns it
-to the driver). Unparking resizes the storage back and copies the bytes in. Tensor objects,
-their storages, views sharing a storage and tied weights all stay the same Python objects, so
-optimizer param groups, hooks and user variables remain valid (FSDP frees parameters this way).
+Parking works on storages, not tensors: every attached device tensor's storage (for a wrapper
+subclass such as DTensor, its inner tensors' storages: see `reach`) is copied to a host buffer
+from the process's pool (`pinned`: exact-size, pinned, reused across parks) and then resized to
+zero bytes, which hands its memory back to the caching allocator; cuBLAS workspaces are dropped
+and `empty_cache` returns it all to the driver. Unparking resizes each storage back and copies
+the bytes in. Tensor objects, their storages, views sharing a storage and tied weights all stay
+the same Python objects, so optimizer param groups, hooks and user variables remain valid (FSDP
+frees parameters this way). Device addresses do change: what holds them (a CUDA graph) makes a
+RAM park refused (`ParkRefused`), see docs/runtime.md.
 
 A storage that cannot be resized (memory torch does not own: `torch.load` results, NumPy or
 DLPack imports) is parked by pointing each of its tensors at an empty placeholder (`t.data = ...`,
 as `nn.Module._apply` does) and, on unpark, at one fresh storage holding the bytes; the tensor
 objects still stay the same, only that storage object is new.
 
+Only the devices the attached tensors live on are synchronised or touched; a GPU the job never
+used gets no CUDA context from the runtime (under torchrun or Slurm each one would cost ~0.5 GiB).
+
 Under a simulated GPU (`GPUSWAP_SIMULATED_GPU=1`) CPU tensors stand for device memory and the
-same code runs with device "cpu".
+same code runs with device "cpu" and pageable host buffers.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
+
+from gpuswap.runtime import pinned, reach
+
+
+class ParkRefused(RuntimeError):
+    """A RAM park the runtime cannot do safely. `disk_ok`: a disk checkpoint is still safe (the
+    process exits; nothing is brought back to changed addresses)."""
+
+    def __init__(self, reason: str, disk_ok: bool) -> None:
+        super().__init__(reason)
+        self.disk_ok = disk_ok
 
 
 @dataclass
@@ -41,17 +58,44 @@ class RamPark:
     nbytes: int = 0
     pinned: bool = False
     released: bool = False
+    keep_device: bool = False   # copies only: device memory stays (a disk park with CUDA graphs)
+    lease: Optional[pinned.Lease] = None
+    pool: Optional[pinned.HostPool] = None
 
     def host_view(self, t: Any) -> Any | None:
-        """A CPU tensor viewing `t`'s bytes in the host copy, or None if `t` is not parked here."""
+        """A CPU tensor viewing `t`'s bytes in the host copy, or None if `t` is not parked here.
+        A wrapper subclass is rebuilt around host views of its inner tensors."""
         import torch
 
-        slot = self.slots.get(t.untyped_storage()._cdata)
+        if reach.is_wrapper(t):
+            return self._wrapper_view(t)
+        try:
+            slot = self.slots.get(t.untyped_storage()._cdata)
+        except Exception:
+            return None
         if slot is None:
             return None
         return torch.empty(0, dtype=t.dtype).set_(
             slot.host.untyped_storage(), t.storage_offset(), t.size(), t.stride()
         )
+
+    def _wrapper_view(self, t: Any) -> Any | None:
+        import torch
+
+        names, ctx = t.__tensor_flatten__()
+        inner = {}
+        for name in names:
+            x = getattr(t, name)
+            if isinstance(x, torch.Tensor):
+                x = self.host_view(x)
+                if x is None:
+                    return None
+            inner[name] = x
+        try:
+            out = type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+        except Exception:
+            return None  # the caller copies it (`.cpu()`) instead
+        return out if out.device.type == "cpu" else None
 
 
 def is_device(t: Any, simulated: bool) -> bool:
@@ -59,13 +103,9 @@ def is_device(t: Any, simulated: bool) -> bool:
 
 
 def device_bytes(tensors: Iterable[Any], simulated: bool) -> int:
-    """Bytes of device memory held by these tensors, each storage counted once."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if is_device(t, simulated):
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+    """Bytes of device memory held by these tensors, each storage counted once (a wrapper's inner
+    tensors counted; one whose memory cannot be reached, by its elements)."""
+    return reach.device_bytes(tensors, simulated)
 
 
 def _byte_view(storage: Any) -> Any:
@@ -74,20 +114,12 @@ def _byte_view(storage: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _synchronize(devices: set[Any]) -> None:
+def _synchronize(devices: Iterable[Any]) -> None:
     import torch
 
     for dev in devices:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-
-
-def _sync_all_cuda() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
 
 
 def _device_guard(device: Any) -> Any:
@@ -99,41 +131,55 @@ def _device_guard(device: Any) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _host_buffer(nbytes: int, pin: bool) -> tuple[Any, bool]:
-    import torch
+def _refusal(found: reach.Survey, simulated: bool, tier: str) -> Optional[str]:
+    """Why device addresses must stay put (CUDA graphs), after refusing what cannot be reached."""
+    if tier == "ram" and found.unreachable:
+        more = len(found.unreachable) - 3
+        raise ParkRefused(
+            "cannot reach the device memory of " + "; ".join(found.unreachable[:3])
+            + (f"; and {more} more" if more > 0 else "")
+            + ": only plain tensors and traceable wrapper subclasses (__tensor_flatten__) can be "
+            "parked, and a partial park would not free what the scheduler counts on", disk_ok=False)
+    graphs = None if simulated else reach.graph_pools()
+    if graphs and tier == "ram":
+        raise ParkRefused(graphs, disk_ok=True)
+    return graphs
 
-    if pin:
+
+def copy_to_host(tensors: Iterable[Any], simulated: bool, tier: str = "ram",
+                 pool: Optional[pinned.HostPool] = None) -> RamPark:
+    """Copy every device storage to host. Device memory is still in use afterwards.
+
+    `tier="ram"` raises ParkRefused for what cannot be parked safely. `tier="disk"` copies what
+    it can reach for the checkpoint; with a CUDA graph the device memory is then kept
+    (`keep_device`): the process exits after the checkpoint, and if writing it fails the job runs
+    on at the addresses its graphs know."""
+    found = reach.survey(tensors, simulated)
+    graphs = _refusal(found, simulated, tier)
+    park = RamPark(keep_device=graphs is not None)
+    entries = list(found.storages.items())
+    if not entries:
+        return park
+    devices = found.devices
+    _synchronize(devices)  # kernels on side streams must be done before we read their outputs
+    park.pool = pool or pinned.pool_for(simulated)
+    cuda = sorted(d.index for d in devices if d.type == "cuda")
+    park.lease = park.pool.take([e.nbytes for _, e in entries], device=cuda[0] if cuda else None)
+    try:
+        for i, host in park.lease.buffers():
+            key, e = entries[i]
+            host.copy_(_byte_view(e.storage), non_blocking=True)
+            users = [(u, (u.storage_offset(), u.size(), u.stride())) for u in e.users]
+            park.slots[key] = _Slot(e.storage, host, e.nbytes, e.device, e.resizable, users)
+            park.nbytes += e.nbytes
+        _synchronize(devices)
+    except BaseException:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
-        except RuntimeError:  # pinned memory exhausted/limited: pageable still works, slower
-            pass
-    return torch.empty(nbytes, dtype=torch.uint8), False
-
-
-def copy_to_host(tensors: Iterable[Any], simulated: bool) -> RamPark:
-    """Copy every device storage to host. Device memory is still in use afterwards."""
-    park = RamPark(pinned=not simulated)
-    if not simulated:
-        _sync_all_cuda()  # kernels on side streams must be done before we read their outputs
-    devices = set()
-    for t in tensors:
-        if not is_device(t, simulated):
-            continue
-        st = t.untyped_storage()
-        key = st._cdata
-        slot = park.slots.get(key)
-        if slot is None:
-            if st.nbytes() == 0:
-                continue
-            host, pinned = _host_buffer(st.nbytes(), pin=not simulated)
-            park.pinned = park.pinned and pinned
-            host.copy_(_byte_view(st), non_blocking=True)
-            slot = park.slots[key] = _Slot(st, host, st.nbytes(), st.device, st.resizable())
-            park.nbytes += st.nbytes()
-            devices.add(st.device)
-        if not slot.resizable and not any(u is t for u, _ in slot.users):
-            slot.users.append((t, (t.storage_offset(), t.size(), t.stride())))
-    _synchronize(devices)
+            _synchronize(devices)  # no copy may still be writing into buffers the pool takes back
+        finally:
+            drop_host(park)
+        raise
+    park.pinned = park.lease.pinned
     return park
 
 
@@ -156,16 +202,24 @@ def _free(slot: _Slot) -> None:
 
 
 def _empty_device_cache(simulated: bool) -> None:
+    """Return freed memory to the driver: cuBLAS/cuBLASLt workspaces first (torch keeps one per
+    handle and stream in the caching allocator; `_cuda_clearCublasWorkspaces` drops both maps),
+    then the allocator's cache. Neither is a CUDA call on a device without allocations."""
     if simulated:
         return
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
 
 
 def release(park: RamPark, simulated: bool) -> None:
     """Free the device memory of parked storages. All or nothing: on failure, undo and raise."""
+    if park.keep_device:
+        return
     done: list[_Slot] = []
     try:
         for slot in park.slots.values():
@@ -209,6 +263,8 @@ def restore(park: RamPark, simulated: bool) -> float:
     raises, leaving the job parked so that a later resume can retry.
     """
     t0 = time.perf_counter()
+    if not park.released:
+        return 0.0
     try:
         _refill(list(park.slots.values()))
     except Exception:
@@ -225,15 +281,9 @@ def restore(park: RamPark, simulated: bool) -> float:
 
 
 def drop_host(park: RamPark) -> None:
-    """Forget the host copies; return cached pinned memory to the OS where torch allows it."""
+    """Forget the host copies: their buffers go back to the pool, which unpins and frees them
+    later on its own thread (never inside a timed resume)."""
     park.slots.clear()
-    if park.pinned:
-        import torch
-
-        empty_host = getattr(getattr(torch, "accelerator", None), "memory", None)
-        fn = getattr(empty_host, "empty_host_cache", None)
-        if fn is not None and torch.cuda.is_available():
-            try:
-                fn()
-            except Exception:
-                pass
+    if park.pool is not None:
+        park.pool.give_back(park.lease)
+    park.lease = None

@@ -42,8 +42,8 @@ def _error(job: "Job", what: str, exc: BaseException) -> None:
     job._send({"op": "error", "message": text})
 
 
-def _park(job: "Job", want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
-    park = parking.copy_to_host(objects.iter_tensors(job._items), job.config.simulated)
+def _park(job: "Job", tier: str, want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
+    park = parking.copy_to_host(objects.iter_tensors(job._items), job.config.simulated, tier)
     try:
         payload = snapshot(job, park) if want_payload else None
         parking.release(park, job.config.simulated)
@@ -53,16 +53,19 @@ def _park(job: "Job", want_payload: bool) -> tuple[parking.RamPark, dict[str, An
     return park, payload
 
 
-def _spill(job: "Job", payload: dict[str, Any]) -> Exception:
-    """Write the checkpoint and exit 75; returns (the error) only if writing failed."""
+def _spill(job: "Job", payload: dict[str, Any], note: str | None = None) -> Exception:
+    """Write the checkpoint and exit 75; returns (the error) only if writing failed. `note`: why
+    a RAM pause became this disk park (the daemon's event says it)."""
     t0 = time.perf_counter()
     try:
         info = checkpoint.write_checkpoint(job.config.ckpt_dir, payload, job.step, job.config.job_id)
     except Exception as exc:
         return exc
-    job._send({"op": "checkpointed", "path": os.path.join(job.config.ckpt_dir, info.payload),
-               "bytes": info.bytes, "seconds": round(time.perf_counter() - t0, 6),
-               "step": job.step})
+    msg = {"op": "checkpointed", "path": os.path.join(job.config.ckpt_dir, info.payload),
+           "bytes": info.bytes, "seconds": round(time.perf_counter() - t0, 6), "step": job.step}
+    if note:
+        msg["note"] = note
+    job._send(msg)
     job.exit_requeue()
     raise AssertionError("unreachable")
 
@@ -79,23 +82,32 @@ def serve(job: "Job", tier: str) -> None:
         return
     cap, job._max_bytes = job._max_bytes, None
     held = job._measure() if tier == "ram" and cap is not None else None
+    note = None
     if held is not None and held > cap:
         if not job.config.ckpt_dir:
             job._mark_running()
             _error(job, "park to ram", RuntimeError(f"{held} bytes exceed the RAM budget's {cap}"))
             return
-        print(f"gpuswap: {held} bytes exceed the host-RAM budget's {cap}: parking to disk instead",
-              file=sys.stderr, flush=True)
+        note = f"{held} bytes exceed the host-RAM budget's {cap}"
+        print(f"gpuswap: {note}: parking to disk instead", file=sys.stderr, flush=True)
         tier = "disk"
     t0 = time.perf_counter()
     try:
-        park, payload = _park(job, want_payload=bool(job.config.ckpt_dir))
+        try:
+            park, payload = _park(job, tier, want_payload=bool(job.config.ckpt_dir))
+        except parking.ParkRefused as refused:   # e.g. a CUDA graph: addresses must not change
+            if tier != "ram" or not refused.disk_ok or not job.config.ckpt_dir:
+                raise
+            note = f"RAM park refused: {refused}"
+            print(f"gpuswap: {note}; parking to disk instead", file=sys.stderr, flush=True)
+            tier = "disk"
+            park, payload = _park(job, tier, want_payload=True)
     except Exception as exc:
         job._mark_running()
         _error(job, f"park to {tier}", exc)
         return
     if tier == "disk":
-        exc = _spill(job, payload)  # exits on success
+        exc = _spill(job, payload, note)  # exits on success
         if _unpark_or_report(job, park):  # the checkpoint failed: run on from the host copies
             job._mark_running()
             _error(job, "disk checkpoint", exc)
