@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import pytest
 
-from gpuswap_testing import Daemon, auto_workers, has_gpu, train_cmd
+from gpuswap_testing import Daemon, auto_workers, has_gpu, reference_env, train_cmd
 
 
 def pytest_xdist_auto_num_workers(config: Any) -> int:
@@ -66,15 +66,20 @@ def daemon(make_daemon: Any) -> Daemon:
 
 @pytest.fixture(scope="session")
 def reference_hashes() -> Callable[..., str]:
-    """sha256 of the demo model's parameters after N uninterrupted steps, outside gpuswap."""
-    cache: dict[tuple[int, int], str] = {}
+    """sha256 of the demo model's parameters after N uninterrupted steps, outside gpuswap, on the
+    device of the job it is compared with: the CPU for a daemon on simulated GPUs (the default;
+    its jobs run with GPUSWAP_SIMULATED_GPU=1), CUDA for a daemon on real GPUs (simulated=False)."""
+    cache: dict[tuple[int, int, bool], str] = {}
 
-    def get(steps: int, hidden: int = 64) -> str:
-        if (steps, hidden) not in cache:
+    def get(steps: int, hidden: int = 64, simulated: bool = True) -> str:
+        if (steps, hidden, simulated) not in cache:
             out = Path(tempfile.mkdtemp()) / "ref.json"
-            env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-            subprocess.run(train_cmd(out, steps, 0.0, hidden), env=env, check=True, capture_output=True)
-            cache[steps, hidden] = json.loads(out.read_text())["sha256"]
-        return cache[steps, hidden]
+            subprocess.run(train_cmd(out, steps, 0.0, hidden), env=reference_env(simulated), check=True,
+                           capture_output=True)
+            result = json.loads(out.read_text())
+            want = "cpu" if simulated else "cuda"
+            assert result["device"] == want, f"the reference ran on {result['device']}, its job on {want}"
+            cache[steps, hidden, simulated] = result["sha256"]
+        return cache[steps, hidden, simulated]
 
     return get

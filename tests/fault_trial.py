@@ -36,7 +36,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpuswap_testing import TERMINAL, Daemon, Gate, train_cmd  # noqa: E402
+from gpuswap_testing import TERMINAL, Daemon, Gate, reference_env, train_cmd  # noqa: E402
 
 from gpuswap.api.client import ClientError  # noqa: E402
 
@@ -171,8 +171,9 @@ class Counts:
 
 def reference_hash(workdir: Path) -> str:
     out = workdir / "reference.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-    subprocess.run(train_cmd(out, STEPS, 0.0, HIDDEN), env=env, check=True, capture_output=True)
+    # On the CPU, as the trial's job on simulated GPUs (GPUSWAP_SIMULATED_GPU=1), even where torch has CUDA.
+    subprocess.run(train_cmd(out, STEPS, 0.0, HIDDEN), env=reference_env(simulated=True), check=True,
+                   capture_output=True)
     return json.loads(out.read_text())["sha256"]
 
 

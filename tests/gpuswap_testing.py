@@ -152,6 +152,18 @@ class Gate:
         self.path.touch()
 
 
+def reference_env(simulated: bool) -> dict[str, str]:
+    """The environment of a reference run made outside gpuswap, on the device the job it is compared
+    with runs on. A daemon on simulated GPUs gives its jobs GPUSWAP_SIMULATED_GPU=1, so they train on
+    the CPU even where torch has CUDA (demo/train.py `pick_device`); CPU and CUDA results differ in
+    their last bits, so the reference for such a job is made on the CPU the same way. A reference
+    for a job on real GPUs (simulated=False) runs where torch puts it: CUDA on a GPU machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
+    if simulated:
+        env["GPUSWAP_SIMULATED_GPU"] = "1"
+    return env
+
+
 def train_cmd(out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64) -> list[str]:
     return [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps), "--step-time", str(step_time),
             "--out", str(out), "--hidden", str(hidden)]

@@ -119,6 +119,35 @@ def test_lock_timeout_is_reported_as_a_timeout_and_the_job_runs_on(daemon, home)
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 
 
+def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make_daemon, home):
+    """Two driver-frozen jobs under a 5 GiB host-RAM budget, each declared at 4 GiB but holding 2 GiB
+    (NVML's measure before the lock). The budget counts what each park really holds: both fit (4 GiB
+    parked). After the checkpoint NVML lists neither process; a footprint read then, falling back
+    to the declared size, would count the first at 4 GiB and refuse the second ("not frozen: ...
+    would exceed the host-RAM budget")."""
+    daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--ram-budget", "5GiB")
+    gate = Gate(home / "go")
+    jobs = []
+    for tag in "ab":
+        cmd, ready = fake(home, 2 * GiB, gate, tag=tag)
+        jobs.append(daemon.submit(["sh", "-c", f"{cmd}; echo end"], name=tag, priority="low", mem="4GiB"))
+        wait_file(daemon, jobs[-1], ready)
+    for job in jobs:          # one after the other: the second's room is what the first left
+        assert daemon.cli("pause", str(job)).returncode == 0
+        j = daemon.until(job, lambda j: j["state"] == "PAUSED" or "not frozen" in j["reason"])
+        assert j["state"] == "PAUSED", j["reason"]
+    assert [daemon.job(job)["parked_bytes"] for job in jobs] == [2 * GiB, 2 * GiB]   # measured, not declared
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 4 * GiB
+    for job in jobs:
+        assert daemon.cli("resume", str(job)).returncode == 0
+    for job in jobs:
+        daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    gate.open()
+    for job in jobs:
+        assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 0
+
+
 def test_no_restore_into_a_gpu_without_room(make_daemon, home):
     """Someone outside gpuswap takes 6 of the GPU's 8 GiB while a 3 GiB job is frozen: the daemon
     waits rather than restore (a restore that runs out of memory leaves the process stuck for good,

@@ -6,6 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gpuswap_rt_peer import DEMO_STEPS, SupervisorPeer, finish, read_result, start_train  # noqa: E402
+from gpuswap_testing import reference_env  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,8 +32,11 @@ def peer():
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
-    """The demo run uninterrupted and outside gpuswap: the reference for exact resume."""
+    """The demo run uninterrupted and outside gpuswap: the reference for exact resume. On the CPU,
+    as the jobs it is compared with (job_env: GPUSWAP_SIMULATED_GPU=1), even where torch has CUDA."""
     out = tmp_path_factory.mktemp("baseline") / "result.json"
-    rc, _, err = finish(start_train(out, DEMO_STEPS, 0.0, env=None))
+    rc, _, err = finish(start_train(out, DEMO_STEPS, 0.0, env=reference_env(simulated=True)))
     assert rc == 0, err
-    return read_result(out)
+    result = read_result(out)
+    assert result["device"] == "cpu", result
+    return result

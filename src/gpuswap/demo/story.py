@@ -121,7 +121,10 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
     try:
         console.print("1. reference: the training script run uninterrupted, outside gpuswap")
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-        subprocess.run(train + ["--out", str(home / "reference.json")], env=env, check=True,
+        # On the device the job will use: on simulated GPUs jobs run with GPUSWAP_SIMULATED_GPU=1,
+        # on the CPU even where torch sees CUDA (a machine whose NVML is missing).
+        ref_env = dict(env, GPUSWAP_SIMULATED_GPU="1") if simulate else env
+        subprocess.run(train + ["--out", str(home / "reference.json")], env=ref_env, check=True,
                        stdout=subprocess.DEVNULL)
         reference = json.loads((home / "reference.json").read_text())
         console.print(f"   parameters sha256 {reference['sha256'][:16]}…")
