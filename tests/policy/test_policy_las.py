@@ -40,3 +40,20 @@ def test_las_ignores_priority_classes():
     low = job("low", prio=Priority.LOW, submit=1)
     urgent = job("urg", prio=Priority.URGENT, submit=2)
     assert kinds(decide(snap(10, gpus(1), [urgent, low]), "las")) == [("Start", "low")]
+
+
+def test_victim_is_the_job_that_joined_the_lowest_queue_last():
+    """Tiresias preempts from the tail of the lowest queue's list: the job that started, resumed
+    or was demoted into that queue last -- not the latest submitted."""
+    c = PolicyConfig(las_thresholds_gpu_s=(3600, 36000))
+    # At t=10,000, both run in queue 1. "early" was submitted first but only started (resumed) at
+    # 9,000; "late" was submitted later and has run since 1,000, crossing into queue 1 at 4,600.
+    early = job("early", Phase.RUNNING, assigned=(0,), submit=0, since=9000, attained=5000, run_s=5000)
+    late = job("late", Phase.RUNNING, assigned=(1,), submit=500, since=1000, attained=9000, run_s=9000)
+    new = job("new", submit=10_000, since=10_000)
+    out = decide(snap(10_000, gpus(2), [early, late, new], config=c), "las")
+    assert kinds(out) == [("Pause", "early")]
+    # Demoted into queue 1 at 9,900 (after early's resume at 9,000): it joined last, it goes first.
+    late = job("late", Phase.RUNNING, assigned=(1,), submit=500, since=6300, attained=3700, run_s=3700)
+    out = decide(snap(10_000, gpus(2), [early, late, new], config=c), "las")
+    assert kinds(out) == [("Pause", "late")]

@@ -24,14 +24,53 @@ def test_register_sets_run():
     (["--trace", "{bad}"], "lacks required column"),
     (["--trace", "{good}", "--policy", "nope"], "unknown policy nope"),
     (["--trace", "{good}", "--switch-cost", "free"], "unknown switch-cost"),
+    (["--trace", "{good}", "--switch-cost", "fixed:nan"], "bad switch-cost"),
+    (["--trace", "{good}", "--min-runtime", "-5"], "--min-runtime must be a number of seconds >= 0"),
+    (["--trace", "{good}", "--min-runtime", "inf"], "--min-runtime must be"),
+    (["--trace", "{good}", "--tick", "0"], "--tick must be a number of seconds > 0"),
+    (["--trace", "{good}", "--tick", "nan"], "--tick must be"),
+    (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
+    (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
+    (["--trace", "{labels}"], "unknown class label(s) 'batch' (2 rows)"),
 ])
 def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     (tmp_path / "good.csv").write_text("submit,duration,gpus\n0,10,1\n")
-    argv = [a.format(bad=tmp_path / "bad.csv", good=tmp_path / "good.csv") for a in argv]
+    (tmp_path / "labels.csv").write_text("submit,duration,gpus,class\n0,10,1,low\n1,10,1,batch\n2,10,1,batch\n")
+    argv = [a.format(bad=tmp_path / "bad.csv", good=tmp_path / "good.csv", labels=tmp_path / "labels.csv")
+            for a in argv]
     assert cli.run(parse(argv)) == 64
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_skipped_rows_and_rounded_gpus_are_reported_and_recorded(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus\n0,10,0.5\n1,x,1\n2,-1,1\n3,10,0\n4,10,1\n")
+    out = tmp_path / "out"
+    assert cli.run(parse(["--trace", str(trace), "--policy", "fifo", "--nodes", "1", "--gpus-per-node", "1",
+                          "--out", str(out)])) == 0
+    err = capsys.readouterr().err
+    assert ("skipped 3 malformed row(s): 2 duration not a positive number, e.g. line 3: 'x'; "
+            "1 GPUs not a positive number, e.g. line 5: '0'") in err
+    assert "1 job(s) asked for a fraction of a GPU; rounded up to whole GPUs" in err
+    meta = json.loads((out / "summary.json").read_text())["_meta"]
+    assert meta["skipped_by_reason"] == {"duration not a positive number": 2, "GPUs not a positive number": 1}
+    assert (meta["skipped"], meta["rounded_gpus"], meta["jobs"]) == (3, 1, 2)
+
+
+def test_python_m_gpuswap_sim_exits_64_on_a_bad_option(tmp_path):
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus\n0,10,1\n")
+    for bad, message in ((["--tick", "abc"], "gpuswap sim: argument --tick: invalid float value: 'abc'"),
+                         (["--min-runtime", "-5"], "gpuswap sim: --min-runtime must be a number of seconds "
+                                                   ">= 0, got -5.0")):
+        p = subprocess.run([sys.executable, "-m", "gpuswap.sim", "--trace", str(trace), *bad],
+                           capture_output=True, text=True)
+        assert (p.returncode, p.stderr.strip(), p.stdout) == (64, message, "")
 
 
 def test_compare_writes_summary_and_plots(tmp_path, capsys):

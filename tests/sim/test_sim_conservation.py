@@ -1,8 +1,9 @@
 """Simulator invariants: no GPU double-booked, every job ends, time never goes backwards, work conserved."""
 import pytest
 
-from gpuswap.policy import POLICIES
+from gpuswap.policy import POLICIES, PolicyConfig
 from gpuswap.sim import engine as sim_engine
+from gpuswap.sim.costmodel import parse_cost_model
 from gpuswap.sim.engine import Cluster, SimError, Simulator, simulate
 from gpuswap.sim.trace import TraceJob, load
 
@@ -128,3 +129,21 @@ def test_fair_share_converges_to_the_weights():
             served[j.spec.user] += j.spec.duration
     share = served["alice"] / (served["alice"] + served["bob"])
     assert share == pytest.approx(2 / 3, abs=0.03)
+
+
+def test_wake_ups_see_time_based_rules_between_events():
+    """`las` on one GPU: A runs from t=0, B arrives at t=10 and waits behind it (same queue, FIFO).
+    A crosses the first LAS threshold (3600 GPU-s) at t=3600, with no arrival or completion near:
+    only the periodic wake-up sees it, and B preempts A within one tick of it. (The wake-up never
+    fired before: B waited for A's completion at t=10,000, whatever the tick.)"""
+    gib = 1024**3
+    jobs = [TraceJob("a", 0, 10_000, 1, "u", 1, gib), TraceJob("b", 10, 100, 1, "v", 1, gib)]
+    calls = {}
+    for tick in (60, 300):
+        r = simulate(jobs, "las", cluster=Cluster(nodes=1, gpus_per_node=1), tick_s=tick,
+                     config=PolicyConfig(min_runtime_s=60))
+        a, b = r.jobs
+        park = parse_cost_model("gpuswap").costs.park_s(gib, "ram")
+        assert a.preemptions == 1 and 3600 <= b.first_start <= 3600 + tick + park
+        calls[tick] = r.decide_calls
+    assert calls[60] > calls[300]

@@ -1,8 +1,10 @@
 """Trace reading: accepted columns, malformed rows skipped and counted, seeded models."""
+import time
+
 import pytest
 
 from gpuswap.jobs import Priority
-from gpuswap.sim.trace import GiB, TraceError, load, read_trace
+from gpuswap.sim.trace import GiB, TraceError, describe_skipped, load, read_trace
 
 
 def write(tmp_path, text):
@@ -22,16 +24,54 @@ def test_generic_columns_and_optional_fields(tmp_path):
     assert (bob.priority, bob.mem, bob.weight) == (0, None, 1.0)
 
 
-def test_malformed_rows_are_skipped_and_counted(tmp_path):
+def test_malformed_rows_are_skipped_and_counted_by_reason(tmp_path):
     p = write(tmp_path, "timestamp,duration,num_gpus\n"
                         "2017-10-01 00:00:00,60,1\n"
                         "not-a-date,60,1\n"
                         "2017-10-01 00:01:00,-5,1\n"
                         "2017-10-01 00:02:00,60,0\n"
-                        "2017-10-01 00:03:00,60\n")
+                        "2017-10-01 00:03:00,60\n"
+                        "2017-10-01 00:04:00,nan,1\n"
+                        "2017-10-01 00:05:00,x,1\n")
     t = read_trace(p)
-    assert len(t.jobs) == 1 and t.skipped == 4
-    assert any("line 3" in m for m in t.problems)
+    assert len(t.jobs) == 1 and t.skipped == 6
+    assert t.skipped_by_reason == {"duration not a positive number": 3, "GPUs not a positive number": 2,
+                                   "bad submit time": 1}
+    assert t.problems[0] == "duration not a positive number, e.g. line 4: '-5'"
+    assert describe_skipped(t) == (
+        "skipped 6 malformed row(s): 3 duration not a positive number, e.g. line 4: '-5'; "
+        "2 GPUs not a positive number, e.g. line 5: '0'; 1 bad submit time, e.g. line 3: 'not-a-date'")
+
+
+def test_fractional_gpu_requests_are_rounded_up_and_counted(tmp_path):
+    t = read_trace(write(tmp_path, "submit,duration,gpus\n0,60,0.5\n1,60,1\n2,60,1.25\n3,60,2\n"))
+    assert [j.gpus for j in t.jobs] == [1, 1, 2, 2] and t.rounded == 2 and t.skipped == 0
+    assert read_trace(write(tmp_path, "submit,duration,gpus\n0,60,1\n1,60,0.5\n"), limit=1).rounded == 0
+
+
+def test_unknown_class_labels_refuse_the_trace_with_counts(tmp_path):
+    """A class column in another vocabulary is not a few bad rows: dropping those rows would
+    simulate a different workload, so the trace is refused, each unknown label counted."""
+    p = write(tmp_path, "submit,duration,gpus,class\n0,60,1,urgent\n1,60,1,batch\n2,60,1,batch\n"
+                        "3,60,1,service\n4,60,1,7\n")
+    with pytest.raises(TraceError, match=r"unknown class label\(s\) 'batch' \(2 rows\), "
+                                         r"'service' \(1 row\), '7' \(1 row\)"):
+        read_trace(p)
+
+
+def test_date_times_without_a_zone_are_utc_on_every_machine(tmp_path, monkeypatch):
+    """Across New York's daylight-saving change (2017-11-05) the two rows are 3 hours apart in
+    UTC; read as New York local time they would be 4 hours apart."""
+    p = write(tmp_path, "timestamp,duration,num_gpus\n2017-11-05 00:30:00,60,1\n2017-11-05 03:30:00,60,1\n"
+                        "2017-11-05 05:30:00+02:00,60,1\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        t = read_trace(p)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert [j.submit for j in t.jobs] == [0.0, 3 * 3600.0, 3 * 3600.0]
 
 
 def test_unusable_traces_raise_one_clear_error(tmp_path):
@@ -39,7 +79,7 @@ def test_unusable_traces_raise_one_clear_error(tmp_path):
         read_trace(str(tmp_path / "missing.csv"))
     with pytest.raises(TraceError, match="lacks required column"):
         read_trace(write(tmp_path, "a,b\n1,2\n"))
-    with pytest.raises(TraceError, match="no usable rows; 1 skipped"):
+    with pytest.raises(TraceError, match="no usable rows; 1 skipped \\(bad submit time, e.g. line 2: 'x'\\)"):
         read_trace(write(tmp_path, "submit,duration,gpus\nx,1,1\n"))
 
 

@@ -152,8 +152,23 @@ def _las_level(j: JobView, c: Ctx) -> Key:
     return (las_queue(j, c),)
 
 
+def joined_queue_at(v: JobView, c: Ctx, q: int) -> float:
+    """When RUNNING job `v` joined the running jobs of LAS queue `q`: its last start or resume, or
+    the moment its service crossed into `q` if that came later (seen as service beyond the
+    threshold, counted back at its width)."""
+    started = _since_start(v)
+    if not q:
+        return started
+    crossed = c.now - (v.attained_gpu_s - c.config.las_thresholds_gpu_s[q - 1]) / (v.gpus if v.gpus > 1 else 1)
+    return crossed if crossed > started else started
+
+
 def _las_victim(v: JobView, c: Ctx, cost: float) -> Key:
-    return (-las_queue(v, c), -v.submit_time, v.id)  # lowest queue, then the latest arrival
+    """Lowest queue first; inside it, the job that joined that queue's running jobs last (Tiresias'
+    simulator keeps each queue as a list with its running jobs first and preempts from the tail,
+    so the job that started, resumed or was demoted into it last goes first)."""
+    q = las_queue(v, c)
+    return (-q, -joined_queue_at(v, c, q), -v.submit_time, v.id)
 
 
 def _las_why(w: JobView, v: JobView, c: Ctx) -> str:

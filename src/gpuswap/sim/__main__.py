@@ -5,8 +5,16 @@ import sys
 from gpuswap.sim.cli import add_arguments, run
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 64 with one line, as `gpuswap sim` does (argparse's own exit is 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        sys.exit(64)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="gpuswap sim", description="trace-driven scheduling simulator")
+    parser = _Parser(prog="gpuswap sim", description="trace-driven scheduling simulator")
     add_arguments(parser)
     return run(parser.parse_args())
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from gpuswap.jobs import parse_size
 from gpuswap.policy import POLICIES
@@ -46,23 +47,37 @@ def _usage(msg: str) -> int:
     return EX_USAGE
 
 
+def _bad_option(args: argparse.Namespace) -> Optional[str]:
+    """The first option out of range, as a sentence; None when all are usable. (Checked here, not
+    only in argparse types: `run` is also called with a Namespace built elsewhere.)"""
+    finite = math.isfinite
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        return "--nodes and --gpus-per-node must be >= 1"
+    if not (finite(args.urgent_fraction) and 0.0 <= args.urgent_fraction <= 1.0):
+        return "--urgent-fraction must be between 0 and 1"
+    if not (finite(args.tick) and args.tick > 0):
+        return f"--tick must be a number of seconds > 0, got {args.tick}"
+    if not (finite(args.min_runtime) and args.min_runtime >= 0):
+        return f"--min-runtime must be a number of seconds >= 0, got {args.min_runtime}"
+    if args.limit is not None and args.limit < 1:
+        return f"--limit must be >= 1, got {args.limit}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: every `gpuswap` call registers this verb, and the engine's
     # imports (numpy among them) cost each CLI call ~0.1 s of CPU. A broken import still fails loudly.
     from gpuswap.sim.costmodel import parse_cost_model
     from gpuswap.sim.engine import Cluster, SimError, simulate
-    from gpuswap.sim.trace import TraceError, load
+    from gpuswap.sim.trace import TraceError, describe_skipped, load
 
     policies = list(POLICIES) if args.compare else [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         return _usage(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
-    if args.nodes < 1 or args.gpus_per_node < 1:
-        return _usage("--nodes and --gpus-per-node must be >= 1")
-    if not 0.0 <= args.urgent_fraction <= 1.0:
-        return _usage("--urgent-fraction must be between 0 and 1")
-    if args.tick <= 0:
-        return _usage("--tick must be > 0")
+    problem = _bad_option(args)
+    if problem:
+        return _usage(problem)
     try:
         ram = parse_size(args.ram_per_node)
         model = parse_cost_model(args.switch_cost)
@@ -71,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as e:
         return _usage(str(e))
     if trace.skipped:
-        print(f"skipped {trace.skipped} malformed row(s), e.g. {trace.problems[0]}", file=sys.stderr)
+        print(describe_skipped(trace), file=sys.stderr)
+    if trace.rounded:
+        print(f"{trace.rounded} job(s) asked for a fraction of a GPU; rounded up to whole GPUs", file=sys.stderr)
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
     config = PolicyConfig(min_runtime_s=args.min_runtime)
     from gpuswap.sim.metrics import summarize
@@ -105,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
               "(same GPU-time)")
     if args.out:
         meta = {"trace": args.trace, "jobs": len(trace.jobs), "skipped": trace.skipped,
+                "skipped_by_reason": trace.skipped_by_reason, "rounded_gpus": trace.rounded,
                 "clamped": trace.clamped, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                 "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,

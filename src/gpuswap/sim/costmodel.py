@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ def _measured(path: str) -> CostModel:
         if name not in fields:
             continue
         v = v.get("bytes_per_s") if isinstance(v, dict) else v
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
             raise ValueError(f"switch-cost measured:{path}: {name} must be a positive number, got {v!r}")
         values[name] = float(v)
     if not values:
@@ -65,7 +66,7 @@ def parse_cost_model(text: str) -> CostModel:
             seconds = float(text.split(":", 1)[1])
         except ValueError:
             seconds = -1.0
-        if seconds < 0:
+        if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"bad switch-cost {text!r}; write fixed:SECONDS, e.g. fixed:60")
         half = seconds / 2
         inf = float("inf")

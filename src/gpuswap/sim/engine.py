@@ -2,8 +2,9 @@
 
 Events: arrivals, completions, park/restore completions, and wake-ups. `decide` runs once per
 distinct event time, only while something waits (with nothing PENDING or PAUSED there is nothing to
-start and no reason to preempt), plus a wake-up when a running job's minimum runtime ends and every
-`tick_s` while jobs wait, so time-based rules (LAS thresholds, Gandiva quanta, starvation) get seen.
+start and no reason to preempt), plus a wake-up every `tick_s` while jobs wait under a preemptive
+policy, so time-based rules (minimum runtimes lapsing, LAS thresholds, Gandiva quanta, starvation)
+are seen between arrivals and completions, at most `tick_s` late.
 Invariants are checked as it goes (SimError): no GPU double-booked, time never goes backwards,
 decisions only for jobs in a phase that allows them, every job ends.
 """
@@ -151,7 +152,7 @@ class Simulator:
         self.last_usage_t = 0.0
         self.busy = self.switch_gpu_s = 0.0
         self.calls = self.events = self.max_waiting = 0
-        self.wake_at = math.inf
+        self.wake_at = -math.inf           # time of the pending wake-up; none yet
         self.by_id = {j.spec.id: j for j in self.jobs}
         self.preemptive = policy not in ("fifo",)
         self.oracle = policy == "srtf-oracle"

@@ -1,21 +1,24 @@
 """Reading a job trace (CSV) into simulator jobs, filling missing memory footprints and classes.
 
 Accepted columns (header names, case-insensitive; extra columns are ignored):
-  submit time  `timestamp` | `submit_time` | `submit`   ISO date-time or seconds (number)
+  submit time  `timestamp` | `submit_time` | `submit`   ISO date-time (UTC unless it names a zone) or seconds
   run time     `duration` | `duration_s`                  seconds of GPU work, > 0
-  GPUs         `num_gpus` | `gpus`                        integer >= 1
+  GPUs         `num_gpus` | `gpus`                        > 0; a fraction is rounded up (whole GPUs only)
   user         `user` | `cluster` (optional)              fair-share principal; Philly: virtual cluster
   class        `priority` | `class` (optional)            urgent|high|normal|low or 0..3
   memory       `mem` | `mem_bytes` | `memory` (optional)  per-GPU footprint, e.g. 12GiB or bytes
   weight       `weight` (optional)                        the user's fair-share weight (default 1)
 Missing values are filled by documented, seeded models (see `fill_memory`, `assign_classes`).
+Malformed rows are skipped and counted by reason; a class label outside the four classes refuses
+the whole trace (dropping a class would silently simulate another workload).
 """
 from __future__ import annotations
 
 import csv
 import math
+from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Optional
 
 import numpy as np
@@ -49,8 +52,18 @@ class TraceJob:
 class Trace:
     jobs: list[TraceJob]
     skipped: int = 0
-    problems: list[str] = field(default_factory=list)   # first few reasons rows were skipped
+    problems: list[str] = field(default_factory=list)   # per reason, most frequent first: "reason, e.g. line N: value"
     clamped: int = 0                                      # jobs wider than a node, narrowed
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    rounded: int = 0                                      # fractional GPU requests rounded up
+
+
+class _BadRow(ValueError):
+    """A malformed row: `reason` is the category it is counted under, the message an example."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 _ALIASES = {
@@ -79,34 +92,63 @@ def _columns(header: list[str]) -> dict[str, str]:
     return found
 
 
+def _show(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:30] + "...")
+
+
 def _time(text: str) -> float:
+    """Seconds, or an ISO date-time; one without a zone is read as UTC, so the trace means the same
+    on every machine (local time would shift jobs by an hour across a daylight-saving change)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        return datetime.fromisoformat(text.strip()).timestamp()
+        try:
+            t = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise _BadRow("bad submit time", _show(text)) from None
+        return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(value):
+        raise _BadRow("bad submit time", _show(text))
+    return value
+
+
+def _number(text: str, reason: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _BadRow(reason, _show(text)) from None
+    if not math.isfinite(value) or value <= 0:
+        raise _BadRow(reason, _show(text))
+    return value
 
 
 def _priority(text: str) -> int:
+    """A class label: urgent/high/normal/low or 0..3. Anything else raises KeyError (not a bad
+    row: the trace uses a vocabulary we do not know)."""
     text = text.strip()
-    if text.isdigit():
-        p = int(text)
-        if p not in [x.value for x in Priority]:
-            raise ValueError(f"priority {p} not in 0..3")
-        return p
-    return int(Priority.parse(text))
+    if text.isascii() and text.isdigit() and int(text) in [x.value for x in Priority]:
+        return int(text)
+    try:
+        return int(Priority.parse(text))
+    except ValueError:
+        raise KeyError(text) from None
 
 
 def read_trace(path: str, limit: Optional[int] = None) -> Trace:
-    """Parse the CSV; malformed rows are skipped and counted (the first few reasons are kept).
+    """Parse the CSV; malformed rows are skipped and counted by reason (with one example each).
 
     `limit` keeps the earliest jobs by submit time (files need not be sorted; Philly's is not)."""
+    if limit is not None and limit < 1:
+        raise TraceError(f"limit must be >= 1, got {limit}")
     try:
         fh = open(path, newline="")
     except OSError as e:
         raise TraceError(f"cannot open trace {path!r}: {e.strerror or e}") from None
     jobs: list[TraceJob] = []
-    skipped = 0
-    problems: list[str] = []
+    reasons: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    unknown_classes: Counter[str] = Counter()
+    rounded: set[str] = set()             # jobs whose fractional GPU request was rounded up
     with fh:
         reader = csv.reader(fh)
         header = next(reader, None)
@@ -120,35 +162,50 @@ def read_trace(path: str, limit: Optional[int] = None) -> Trace:
             try:
                 get = lambda k: row[idx[k]] if k in idx and idx[k] < len(row) else ""  # noqa: E731
                 submit = _time(get("submit"))
-                duration = float(get("duration"))
-                gpus = int(float(get("gpus")))
-                if not math.isfinite(submit) or not math.isfinite(duration) or duration <= 0:
-                    raise ValueError(f"duration must be a positive number, got {get('duration')!r}")
-                if gpus < 1:
-                    raise ValueError(f"GPUs must be >= 1, got {gpus}")
+                duration = _number(get("duration"), "duration not a positive number")
+                gpus_asked = _number(get("gpus"), "GPUs not a positive number")
+                gpus = math.ceil(gpus_asked)
                 prio = _priority(get("priority")) if get("priority").strip() else None
-                mem = parse_size(get("mem")) if get("mem").strip() else None
-                weight = float(get("weight")) if get("weight").strip() else 1.0
-                if weight <= 0:
-                    raise ValueError(f"weight must be > 0, got {weight}")
-            except (ValueError, IndexError, OverflowError) as e:
-                skipped += 1
-                if len(problems) < 5:
-                    problems.append(f"line {lineno}: {e}")
+                try:
+                    mem = parse_size(get("mem")) if get("mem").strip() else None
+                except ValueError:
+                    raise _BadRow("bad memory size", _show(get("mem"))) from None
+                weight = _number(get("weight"), "weight not a positive number") if get("weight").strip() else 1.0
+            except KeyError as e:
+                unknown_classes[e.args[0]] += 1
                 continue
+            except _BadRow as e:
+                reasons[e.reason] += 1
+                examples.setdefault(e.reason, f"line {lineno}: {e.detail}")
+                continue
+            if gpus != gpus_asked:
+                rounded.add(str(len(jobs)))
             jobs.append(TraceJob(str(len(jobs)), submit, duration, gpus,
                                  get("user").strip() or "user", prio, mem, weight))
+    if unknown_classes:
+        labels = ", ".join(f"{_show(label)} ({n} row{'s' if n > 1 else ''})" for label, n in unknown_classes.most_common())
+        raise TraceError(f"trace {path!r}: unknown class label(s) {labels}; the class column takes "
+                         "urgent, high, normal, low or 3..0")
+    skipped = sum(reasons.values())
+    problems = [f"{r}, e.g. {examples[r]}" for r, _ in reasons.most_common()]
     if not jobs:
         detail = f" ({'; '.join(problems)})" if problems else ""
         raise TraceError(f"trace {path!r} has no usable rows; {skipped} skipped{detail}")
     jobs.sort(key=lambda j: (j.submit, int(j.id)))
     if limit is not None:
         del jobs[limit:]                  # the first `limit` jobs by submit time (a contiguous window)
+    n_rounded = sum(j.id in rounded for j in jobs)
     t0 = jobs[0].submit
     for i, j in enumerate(jobs):
         j.submit -= t0
         j.id = str(i)
-    return Trace(jobs, skipped, problems)
+    return Trace(jobs, skipped, problems, skipped_by_reason=dict(reasons.most_common()), rounded=n_rounded)
+
+
+def describe_skipped(trace: Trace) -> str:
+    """One line: how many rows were skipped, by reason, each with its first example."""
+    parts = [f"{n} {example}" for n, example in zip(trace.skipped_by_reason.values(), trace.problems)]
+    return f"skipped {trace.skipped} malformed row(s): " + "; ".join(parts)
 
 
 def fill_memory(jobs: list[TraceJob], seed: int) -> None:
