@@ -67,7 +67,8 @@ def test_the_floor_stays_listed_counted_and_shown_while_a_job_that_fits_runs_bes
     """1 GPU of 2 GiB; the urgent job declares 1 GiB, which fits beside the 0.5 GiB floor: it runs
     there while the low job is parked in RAM. The simulated NVML list shows the low job's process
     with the floor alone; `gpus` counts it as used and names the parked job; `show` and `ls` say
-    what stays on GPU 0; on resume its tensors are back in the list."""
+    what stays on GPU 0; on resume its tensors are back in the list. Once the floor is known, a
+    later job that would not fit beside it has the low job parked straight to disk."""
     d = make_daemon("--simulate-gpus", "1x2GiB", "--min-runtime", "0")
     low_gate, urgent_gate = Gate(home / "low.go"), Gate(home / "urgent.go")
     low = _low(d, low_gate, home / "low.json")
@@ -95,7 +96,18 @@ def test_the_floor_stays_listed_counted_and_shown_while_a_job_that_fits_runs_bes
     back = d.until(low, lambda j: j["state"] == "RUNNING" and j["residue"] == [])
     d.until(low, lambda g: [x["used_bytes"] for x in g["gpus"][0]["processes"]] == [FLOOR + back["device_bytes"]],
             get="/v1/gpus")
+    # Its floor is known now: a job that would not fit beside it has it parked to disk at once.
+    big_gate = Gate(home / "big.go")
+    big = d.submit(big_gate.hold(), name="big", priority="urgent", mem="1.8GiB")
+    d.state(big, "RUNNING", timeout=180)
+    j = d.job(low)
+    assert j["state"] == "PAUSED" and j["parked"] == "disk", j
+    pauses = [e["reason"] for e in j["events"] if e["state"] == "PAUSING"]
+    assert len(pauses) == 2 and pauses[1].startswith("pausing to disk"), pauses
+    assert sum(r.startswith("parked in RAM") for r in _events(j)) == 1, _events(j)
+    big_gate.open()
     low_gate.open()
+    assert d.state(big, "COMPLETED", "FAILED", timeout=120)["state"] == "COMPLETED"
     assert d.state(low, "COMPLETED", "FAILED", timeout=180)["state"] == "COMPLETED"
     assert json.loads((home / "low.json").read_text())["sha256"] == reference_hashes(STEPS, HIDDEN)
 
