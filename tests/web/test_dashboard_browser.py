@@ -102,6 +102,11 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(root.row(long_id).locator(".reason")).to_contain_text(
         f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)")
     root.shot("urgent-preempted-long")
+    # Its job page says the same beside the parked size, and the park's event names the floor.
+    p.goto(f"{web.url}/ui/#/job/{long_id}")
+    expect(p.locator("#job-facts")).to_contain_text(re.compile(r"ram \(.+\); 512 MiB stays on GPU 0"))
+    expect(p.locator("#job-events")).to_contain_text("512.0 MiB stays on GPU 0")
+    p.goto(f"{web.url}/ui/#/")
     urgent_gate.open()
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.

@@ -113,7 +113,7 @@ function parkedSize(j) {
 }
 
 // What a job parked in RAM by its runtime still holds on its GPUs (its CUDA context and what it
-// did not attach): "; 512.0 MiB stays on GPU 0", or "".
+// did not attach): "; 512 MiB stays on GPU 0", or "".
 function residueText(j) {
   return (j.residue || []).map((r) => `; ${size(r.bytes)} stays on GPU ${r.gpu}`).join("");
 }
