@@ -90,6 +90,10 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     urgent = d.submit(urgent_gate.hold("print('eval ok')"), name="urgent-eval", priority="urgent")
     root.expect_state(long_id, "PAUSED")
     expect(root.row(long_id).locator(".where")).to_have_text("parked in RAM")
+    # What the park could not free (its simulated CUDA context, 512 MiB by default) stays on GPU 0.
+    expect(root.row(long_id).locator(".parked")).to_contain_text("512 MiB stays on GPU 0")
+    expect(p.locator(f'.gpu[data-gpu="0"] [data-gpu-residue="{long_id}"]')).to_contain_text(
+        f"job {long_id} parked in RAM keeps 512 MiB")
     expect(root.row(urgent)).to_contain_text("urgent")
     expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text(f"job {urgent}")
     expect(p.locator("#ram-text")).to_have_text(re.compile(r"^[1-9][\d.]* \w+ parked of a .* budget"))
@@ -98,6 +102,11 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(root.row(long_id).locator(".reason")).to_contain_text(
         f"GPU 0 held by job {urgent} (urgent, not preemptible by a lower priority)")
     root.shot("urgent-preempted-long")
+    # Its job page says the same beside the parked size, and the park's event names the floor.
+    p.goto(f"{web.url}/ui/#/job/{long_id}")
+    expect(p.locator("#job-facts")).to_contain_text(re.compile(r"ram \(.+\); 512 MiB stays on GPU 0"))
+    expect(p.locator("#job-events")).to_contain_text("512.0 MiB stays on GPU 0")
+    p.goto(f"{web.url}/ui/#/")
     urgent_gate.open()
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.

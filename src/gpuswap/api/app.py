@@ -14,6 +14,7 @@ import gpuswap
 from gpuswap.api import schema, storage_errors
 from gpuswap.api.auth import Authorizer, Caller
 from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_headers
+from gpuswap.api.overview import gpu_used, kept_on
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap.node.controller import Controller
@@ -213,21 +214,24 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     @app.get("/v1/gpus")
     def list_gpus(who: Caller = Depends(caller)) -> dict[str, Any]:
         devices = gpus.list()
+        live = store.list(live_only=True)
         holders: dict[int, list[JobRecord]] = {}
-        for j in store.list(live_only=True):
+        for j in live:
             for g in j.assigned:
                 holders.setdefault(g, []).append(j)
+        kept = kept_on(live)       # RAM-parked jobs' residue: listed on its GPU, counted as used
         now = time.time()
         out = []
         for g in devices:
             jobs = holders.get(g.index, [])
-            used = g.mem_used if g.mem_used is not None else sum(
-                (j.device_bytes or j.mem_bytes) for j in jobs if j.holds_gpu)
+            here = kept.get(g.index, [])
+            used = gpu_used(g.mem_used, jobs, sum(n for _, n in here))
             out.append(gpu_record(g, used, [
                 {"id": j.id, "state": j.state.value, "user": j.user if who.may_act_on(j.uid) else "(other)",
-                 "name": j.name if who.may_act_on(j.uid) else "", "time_in_state_s": now - j.state_since}
-                for j in jobs]))
-        parked_ram = sum(j.parked_bytes for j in store.list(live_only=True) if j.parked == "ram")
+                 "name": j.name if who.may_act_on(j.uid) else "", "time_in_state_s": now - j.state_since,
+                 "residue_bytes": n}
+                for j, n in [(j, 0) for j in jobs] + here]))
+        parked_ram = sum(j.parked_bytes for j in live if j.parked == "ram")
         cap = controller.driver.capability
         return {"simulated": gpus.simulated, "description": gpus.describe(), "gpus": out,
                 "ram_budget": controller.config.ram_budget, "ram_parked": parked_ram,

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 import gpuswap
-from gpuswap.api.overview import gpu_used
+from gpuswap.api.overview import gpu_used, kept_on
 from gpuswap.jobs import JobState, Priority
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
@@ -191,11 +191,12 @@ class GpuswapCollector(Collector):
                                   "(bounded: GPUs x states; job ids are in /v1/gpus and the event log)",
                                   labels=["gpu", "state"])
         jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu"])
+        kept = kept_on(live)
         for g in self.gpus.list():
             holders = [j for j in live if g.index in j.assigned]
             lab = [str(g.index), str(g.simulated).lower()]
             total.add_metric(lab, g.mem_total)
-            used.add_metric(lab, gpu_used(g.mem_used, holders))
+            used.add_metric(lab, gpu_used(g.mem_used, holders, sum(n for _, n in kept.get(g.index, []))))
             now = gpu_state(holders)
             for s in GPU_STATES:
                 state.add_metric([str(g.index), s], 1 if s == now else 0)

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 from gpuswap.api.auth import Caller
-from gpuswap.api.views import wait_fields
+from gpuswap.api.views import residue_rows, wait_fields
 from gpuswap.jobs import JobState, Priority
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.residue import kept_now
 from gpuswap.node.store import JobRecord, Store
 from gpuswap.policy.model import Wait
 
@@ -28,6 +29,7 @@ def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dic
         "gpus": j.gpus, "assigned_gpus": j.assigned or j.home_gpus, "tier": j.parked,
         "mechanism": j.mechanism if j.parked else None,
         "parked_bytes": j.parked_bytes, "device_bytes": j.device_bytes or j.mem_bytes,
+        "residue": residue_rows(j),
         "held": j.hold, "stopped": j.stopped, "step": j.step if mine else None,
         "preemptions": j.preemptions, "time_in_state_s": max(0.0, now - j.state_since),
         "submit_time": j.submit_time, "exit_code": j.exit_code,
@@ -36,11 +38,22 @@ def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dic
     }
 
 
-def gpu_used(mem_used: int | None, holders: list[JobRecord]) -> int:
-    """Real GPUs: what NVML says. Simulated: what their jobs report, parked jobs excluded."""
+def gpu_used(mem_used: int | None, holders: list[JobRecord], kept: int = 0) -> int:
+    """What NVML says (on simulated GPUs, the simulated device's process list). A simulated GPU no
+    simulated CUDA process has touched: what its jobs report, parked jobs excluded, plus `kept`,
+    what RAM-parked jobs keep there (`kept_on`)."""
     if mem_used is not None:
         return mem_used
-    return sum((j.device_bytes or j.mem_bytes) for j in holders if j.holds_gpu)
+    return sum((j.device_bytes or j.mem_bytes) for j in holders if j.holds_gpu) + kept
+
+
+def kept_on(live: list[JobRecord]) -> dict[int, list[tuple[JobRecord, int]]]:
+    """GPU -> (job, bytes) of the jobs parked in RAM by their runtime that keep memory on it."""
+    out: dict[int, list[tuple[JobRecord, int]]] = {}
+    for j in live:
+        for g, n in kept_now(j).items():
+            out.setdefault(g, []).append((j, n))
+    return out
 
 
 def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who: Caller,
@@ -52,10 +65,12 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
     for j in live:
         for g in j.assigned:
             holders.setdefault(g, []).append(j)
+    kept = kept_on(live)
     gpu_rows = [{
         "index": g.index, "name": g.name, "simulated": g.simulated, "mem_total": g.mem_total,
-        "mem_used": gpu_used(g.mem_used, holders.get(g.index, [])),
+        "mem_used": gpu_used(g.mem_used, holders.get(g.index, []), sum(n for _, n in kept.get(g.index, []))),
         "jobs": [j.id for j in holders.get(g.index, [])],
+        "residue": [{"job": j.id, "bytes": n} for j, n in kept.get(g.index, [])],
     } for g in devices]
     jobs = [job_summary(j, who, now, controller.wait_of(j)) for j in live]
     finished = store.recent_finished(None if who.admin else who.user, RECENT_FINISHED)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from gpuswap.api.limits import check_command
 from gpuswap.jobs import Priority
 from gpuswap.node.gpus import GpuInfo
+from gpuswap.node.residue import kept_now
 from gpuswap.node.store import Event, JobRecord
 from gpuswap.policy.model import Wait
 
@@ -90,6 +91,12 @@ def wait_fields(wait: Optional[Wait]) -> dict[str, Any]:
                                   "numbers": dict(b.numbers)} for b in wait.blockers]}
 
 
+def residue_rows(j: JobRecord) -> list[dict[str, int]]:
+    """What a job parked in RAM by its runtime still holds on each GPU (its CUDA context and what it
+    did not attach, as NVML measured it after the park): [{"gpu": 0, "bytes": N}], else []."""
+    return [{"gpu": g, "bytes": n} for g, n in sorted(kept_now(j).items())]
+
+
 def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
                log_path: Optional[str] = None, *, gpus_simulated: bool, wait: Optional[Wait] = None) -> dict[str, Any]:
     """A job as the API shows it. `gpus_simulated`: the daemon's GPUs are simulated, so the GPU
@@ -112,6 +119,7 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         "reason": j.reason,
         "parked": j.parked,
         "parked_bytes": j.parked_bytes,
+        "residue": residue_rows(j),
         "held": j.hold,
         "stopped": j.stopped,
         "pause_mode": j.pause_mode,

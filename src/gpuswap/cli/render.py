@@ -55,13 +55,19 @@ def duration(seconds: float | None) -> str:
     return f"{days} day{'' if days == 1 else 's'}" + (f" {hours}h" if hours else "")
 
 
+def residue_text(j: dict[str, Any]) -> str:
+    """'512.0 MiB stays on GPU 0': what a job parked in RAM still holds on its GPUs ('' if nothing)."""
+    return "; ".join(f"{format_size(r['bytes'])} stays on GPU {r['gpu']}" for r in j.get("residue") or [])
+
+
 def state_text(j: dict[str, Any]) -> str:
     if j["state"] == "PAUSED":
         if j.get("stopped") and not j.get("parked"):
             return "PAUSED (SIGSTOP, GPU memory still held)"
         where = {"ram": "in RAM", "disk": "on disk"}.get(j.get("parked") or "", "?")
         how = ", frozen by the driver" if j.get("mechanism") == "transparent" else ""
-        return f"PAUSED (parked {where}, {format_size(j.get('parked_bytes') or 0)}{how})"
+        stays = f"; {residue_text(j)}" if j.get("residue") else ""
+        return f"PAUSED (parked {where}, {format_size(j.get('parked_bytes') or 0)}{how}{stays})"
     if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
         return f"{j['state']} ({j['exit_code']})"
     return j["state"]
@@ -107,7 +113,8 @@ def job_detail(j: dict[str, Any]) -> None:
         ("reason", reason_text(j) or "-"), ("priority", j["priority"] + ("" if j["preemptible"] else ", no-preempt")),
         ("gpus", f"{j['gpus']} requested; assigned {assigned}{sim}"),
         ("memory", f"declared {format_size(j['mem_bytes'])}; reported {format_size(j['device_bytes'])}"),
-        ("parked", f"{j['parked']} ({format_size(j['parked_bytes'])})" if j.get("parked") else "-"),
+        ("parked", (f"{j['parked']} ({format_size(j['parked_bytes'])})" if j.get("parked") else "-")
+         + (f"; {residue_text(j)} (CUDA context and memory not attached)" if j.get("residue") else "")),
         ("exit code", "-" if j.get("exit_code") is None else str(j["exit_code"])),
         ("service", f"{duration(j['run_s'])} running, {duration(j['switch_s'])} switching, "
                     f"{j['preemptions']} preemption(s)"),
@@ -137,7 +144,10 @@ def gpus_table(info: dict[str, Any]) -> None:
         t.add_column(col)
     for g in info["gpus"]:
         name = g["name"] + (" (simulated)" if g["simulated"] and "simulated" not in g["name"] else "")
-        jobs = ", ".join(f"{j['id']} {j['name']} {j['state']}".strip() for j in g["jobs"]) or "free"
+        jobs = ", ".join(f"{j['id']} {j['name']} {j['state']}".strip()
+                         + (f" (parked in RAM, keeps {format_size(j['residue_bytes'])})"
+                            if j.get("residue_bytes") else "")
+                         for j in g["jobs"]) or "free"
         t.add_row(plain(g["index"]), plain(name), plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"),
                   plain(jobs))
     console.print(t)

@@ -42,6 +42,17 @@ def _where(j: dict[str, Any]) -> str:
     return "GPU" if j["state"] in ("RUNNING", "PAUSING", "RESUMING") else "-"
 
 
+def _kept(g: dict[str, Any]) -> list[str]:
+    """The jobs parked in RAM that keep memory on this GPU: ['3 (parked, keeps 512.0 MiB)']."""
+    return [f"{r['job']} (parked, keeps {format_size(r['bytes'])})" for r in g.get("residue") or []]
+
+
+def _parked(j: dict[str, Any]) -> str:
+    """Its parked size, and what stays on its GPUs: '1.3 GiB; 512.0 MiB stays on GPU 0'."""
+    size = format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"
+    return size + "".join(f"; {format_size(r['bytes'])} stays on GPU {r['gpu']}" for r in j.get("residue") or [])
+
+
 def frame(o: dict[str, Any], live: bool = True) -> Group:
     """One screenful from an overview record (`live`: the interactive view, which `q` quits)."""
     # Names, users, reasons and commands are the users' own words: they go to rich as `Text`
@@ -58,7 +69,7 @@ def frame(o: dict[str, Any], live: bool = True) -> Group:
         gpus.add_row(plain(f"{g['index']}{' (sim)' if g['simulated'] else ''}"),
                      plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"),
                      ProgressBar(total=max(g["mem_total"], 1), completed=g["mem_used"], width=30),
-                     plain(", ".join(str(i) for i in g["jobs"]) or "free"))
+                     plain(", ".join([str(i) for i in g["jobs"]] + _kept(g)) or "free"))
     jobs = Table(box=None, pad_edge=False, expand=True)
     for col in ("ID", "NAME", "OWNER", "PRIO", "STATE", "WHERE", "PARKED", "IN STATE", "REASON"):
         jobs.add_column(col, no_wrap=col != "REASON", overflow="fold")
@@ -67,7 +78,7 @@ def frame(o: dict[str, Any], live: bool = True) -> Group:
         jobs.add_row(plain(j["id"]), plain(j["name"] or "(other)"), plain(j["user"]), plain(j["priority"]),
                      plain(j["state"] + (" (held)" if j["held"] else ""), STATE_STYLE.get(j["state"], "")),
                      plain(_where(j)),
-                     plain(format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"),
+                     plain(_parked(j)),
                      plain(duration(j["time_in_state_s"])), plain(reason))
     ram = o["ram"]
     ram_line = Table.grid(padding=(0, 1))

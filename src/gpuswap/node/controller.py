@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
-from gpuswap.node import snapshot
+from gpuswap.node import residue, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import CheckpointDriver
 from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, mechanism_for,
@@ -105,8 +105,9 @@ class Controller:
         jobs = sorted(live.values(), key=lambda j: j.id)
         self._accrue(jobs, now)
         views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
+        kept = residue.outside_snapshot(jobs, {int(v.id) for v in views})   # e.g. a user's RAM pause
         snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
-                              self.config.ram_budget, self.usage)
+                              self.config.ram_budget, self.usage, kept)
         decisions, waits = policy.decide_explained(snap, self.config.policy)
         for d in decisions:
             job = live.get(int(d.job_id))

@@ -13,7 +13,7 @@ from typing import Any
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.freezer import ATTACH_GRACE_S, Freezer
-from gpuswap.node import sessions
+from gpuswap.node import residue, sessions
 from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
 from gpuswap.node.store import JobRecord, Store
 
@@ -61,7 +61,7 @@ class Observer:
         elif job.mechanism == "transparent" and job.state == JobState.RESUMING:
             self.freezer.thawing(job, obs, now)
         elif job.state == JobState.PAUSING:
-            self._pausing(job, rt, obs.stopped, now)
+            self._pausing(job, rt, obs, now)
         elif job.state == JobState.RESUMING:
             self._resuming(job, rt, now)
 
@@ -81,9 +81,9 @@ class Observer:
         if changes:
             self.store.update(job.id, now, **changes)
 
-    def _pausing(self, job: JobRecord, rt: dict[str, Any], stopped: bool, now: float) -> None:
+    def _pausing(self, job: JobRecord, rt: dict[str, Any], obs: Observation, now: float) -> None:
         if job.stopped:
-            if stopped:   # the supervisor confirms the SIGSTOP
+            if obs.stopped:   # the supervisor confirms the SIGSTOP
                 self.store.update(job.id, now, state=JobState.PAUSED, parked=None, desired="running",
                                   event=f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory "
                                         "stays allocated and is not counted as freed")
@@ -91,10 +91,15 @@ class Observer:
         if rt.get("state") == "paused" and rt.get("tier") == "ram":
             nbytes = int(rt.get("bytes") or 0)
             self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
+            # What the park could not free (its CUDA context, ...), read from NVML now: the runtime
+            # reported the park only once it was done. Kept on the job, and reserved by the policy.
+            kept = residue.measure(obs.job_pid, self.freezer.gpus, job.assigned)
+            stays = f"; {residue.text(kept)} (CUDA context and memory not attached)" if kept else ""
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
-                home_gpus=job.assigned, assigned=[], step=rt.get("step"),
-                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s",
+                home_gpus=job.assigned, assigned=[], step=rt.get("step"), residue=kept,
+                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s"
+                      + stays,
             )
             return
         if _failed_since(rt, job.pause_requested_at):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from gpuswap.jobs import JobState
-from gpuswap.node.freezer import tiers_for
+from gpuswap.node.freezer import mechanism_for, tiers_for
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.store import JobRecord
 from gpuswap.policy.model import GpuView, JobView, Phase, PolicyConfig, Snapshot, SwitchCosts
@@ -16,6 +16,9 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
     """The policy's view of a job. `transparent_ok`: this node can freeze jobs through the driver;
     `migration`: a driver-frozen job may be restored onto other GPUs."""
     pinned_home = j.parked == "ram" and not (j.mechanism == "transparent" and migration)
+    # A cooperative park keeps what it could not free on the GPU; a driver checkpoint frees all.
+    parking = j.state in (JobState.PAUSING, JobState.PAUSED)
+    cooperative = (j.mechanism if parking else mechanism_for(j, transparent_ok)) == "cooperative"
     return JobView(
         id=str(j.id),
         user=j.user,
@@ -38,6 +41,7 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
         holds_gpu_while_paused=j.state == JobState.PAUSED and j.holds_gpu,
         node=NODE,
         home_gpus=tuple(j.home_gpus) if pinned_home else (),
+        residue_bytes=max(j.residue.values(), default=0) if cooperative else 0,
     )
 
 
@@ -53,11 +57,14 @@ def schedulable(j: JobRecord) -> bool:
 
 
 def build(now: float, gpus: Iterable[GpuInfo], views: Iterable[JobView], config: PolicyConfig,
-          costs: SwitchCosts, ram_budget: int, usage: Mapping[str, float]) -> Snapshot:
-    """`views`: job_view() of the schedulable jobs (the controller caches them per record version)."""
+          costs: SwitchCosts, ram_budget: int, usage: Mapping[str, float],
+          kept: Mapping[int, int] | None = None) -> Snapshot:
+    """`views`: job_view() of the schedulable jobs (the controller caches them per record version);
+    `kept`: GPU -> what RAM-parked jobs outside the snapshot keep there (node/residue.py)."""
+    kept = kept or {}
     return Snapshot(
         now=now,
-        gpus=tuple(GpuView(g.index, NODE, g.mem_total) for g in gpus),
+        gpus=tuple(GpuView(g.index, NODE, g.mem_total, residue_bytes=kept.get(g.index, 0)) for g in gpus),
         jobs=tuple(views),
         costs=costs,
         config=config,

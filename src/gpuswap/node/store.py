@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     transparent_refused TEXT,
     abort_reason TEXT,
     ram_allowance INTEGER,
+    residue TEXT NOT NULL DEFAULT '{}',
     version INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
@@ -114,7 +115,10 @@ CREATE TABLE IF NOT EXISTS tokens (
 );
 """
 
-_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus"}
+_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue"}
+# Columns `jobs` gained after databases were already written: a database of an earlier version
+# gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
+_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"),)
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
@@ -169,6 +173,9 @@ class JobRecord:
     transparent_refused: Optional[str]  # why the driver path cannot park this job, once found out
     abort_reason: Optional[str]  # the daemon is stopping the job because of this; it ends FAILED
     ram_allowance: Optional[int]  # most bytes its RAM park may take (what the budget has left)
+    # GPU -> bytes its processes still held there when its last cooperative RAM park completed
+    # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
+    residue: dict[int, int]
     version: int             # store-wide change counter at this row's last write
 
     @property
@@ -183,7 +190,9 @@ class JobRecord:
         values = list(row)
         for i in _JSON_INDEXES:
             v = values[i]
-            values[i] = [] if v in ("[]", None) else json.loads(v)   # '[]' is most rows' GPU lists
+            values[i] = [] if v in ("[]", "{}", None) else json.loads(v)   # most rows: no GPUs, no residue
+        res = values[_RESIDUE_INDEX]          # JSON object keys are strings: GPU indices again
+        values[_RESIDUE_INDEX] = {int(g): int(n) for g, n in res.items()} if isinstance(res, dict) else {}
         for i in _BOOL_INDEXES:
             values[i] = bool(values[i])
         values[_STATE_INDEX] = JobState(values[_STATE_INDEX])
@@ -198,6 +207,7 @@ _RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
 _JSON_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _JSON_COLUMNS]
 _BOOL_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _BOOL_COLUMNS]
 _STATE_INDEX = _RECORD_FIELDS.index("state")
+_RESIDUE_INDEX = _RECORD_FIELDS.index("residue")
 
 
 @dataclass(frozen=True)
@@ -244,6 +254,7 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
+        self._add_columns()
         if "initiator" not in {r[1] for r in self._db.execute("PRAGMA table_info(events)")}:
             self._db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")   # a home made before it
         self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
@@ -267,6 +278,14 @@ class Store:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+
+    def _add_columns(self) -> None:
+        """Columns added since a database was written (`_ADDED_JOB_COLUMNS`), each in its own
+        statement: an ADD COLUMN is atomic, and one that is there already is skipped."""
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, definition in _ADDED_JOB_COLUMNS:
+            if name not in columns:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
 
     def _next_version(self) -> int:
         self._version += 1

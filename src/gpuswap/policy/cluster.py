@@ -15,22 +15,30 @@ from gpuswap.policy.model import JobView, Phase, Snapshot
 _TOPOLOGY: list = [None, None]   # memo of the last GPU tuple's layout (the daemon's rarely changes)
 
 
-def _topology(gpus: tuple) -> tuple[dict[int, str], list[str], frozenset[int], dict[int, int]]:
-    """GPU id -> node, the sorted node names, the healthy GPU ids, GPU id -> memory."""
+def _topology(gpus: tuple) -> tuple[dict[int, str], list[str], frozenset[int], dict[int, int], dict[int, int]]:
+    """GPU id -> node, the sorted node names, the healthy GPU ids, GPU id -> memory, GPU id -> the
+    residue of jobs outside the snapshot (usually empty)."""
     if _TOPOLOGY[0] is not gpus:
         _TOPOLOGY[0], _TOPOLOGY[1] = gpus, ({g.id: g.node for g in gpus}, sorted({g.node for g in gpus}),
                                             frozenset(g.id for g in gpus if g.healthy),
-                                            {g.id: g.mem_total for g in gpus})
+                                            {g.id: g.mem_total for g in gpus},
+                                            {g.id: g.residue_bytes for g in gpus if g.residue_bytes > 0})
     return _TOPOLOGY[1]
 
 
 class ClusterState:
     """Free GPUs, GPUs a pause in flight will free (`pending`), GPUs whose only holder is a stopped
-    job (`lendable`, with the memory it leaves), each node's host-RAM room, and the RAM-parked
-    jobs that could be spilled to make room (`spillable_on`, from the tail of the policy order)."""
+    job (`lendable`, with the memory it leaves), each node's host-RAM room, the RAM-parked
+    jobs that could be spilled to make room (`spillable_on`, from the tail of the policy order),
+    and the memory RAM-parked jobs keep on GPUs nobody computes on (`residue`, see `fits`)."""
 
     def __init__(self, snap: Snapshot):
-        self.node_of, self.nodes, healthy, mem_total = _topology(snap.gpus)
+        self.node_of, self.nodes, healthy, mem_total, outside = _topology(snap.gpus)
+        self.mem_total = mem_total
+        # GPU -> bytes a cooperative RAM park left there (and, for a RAM pause in flight, will
+        # leave), and the PAUSED jobs that keep it. Empty in most rounds (and the simulator's).
+        self.residue: dict[int, int] = dict(outside)
+        self.residue_of: dict[int, list[JobView]] = {}
         jobs = snap.jobs
         running, pending, paused, pausing = Phase.RUNNING, Phase.PENDING, Phase.PAUSED, Phase.PAUSING
         self.running: list[JobView] = [j for j in jobs if j.phase is running]
@@ -42,6 +50,8 @@ class ClusterState:
         for j in [j for j in self.waiting if j.phase is paused]:     # PENDING jobs park nothing
             if j.parked == "ram":
                 self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
+                if j.residue_bytes > 0 and j.home_gpus:
+                    self._add_residue(j, j.home_gpus)
             if j.holds_gpu_while_paused:
                 for g in j.assigned:
                     stopped[g] = stopped.get(g, 0) + j.mem_bytes
@@ -55,8 +65,10 @@ class ClusterState:
                     self.pending[self.job_node(j)].extend(g for g in j.assigned if g in self.node_of)
                     if j.parked == "ram":
                         self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
-        self.lendable: dict[int, int] = {g: mem_total.get(g, 0) - kept for g, kept in stopped.items()
-                                         if g not in held and g in healthy}
+                        if j.residue_bytes > 0:     # what its park is expected to leave
+                            self._add_residue(j, j.assigned)
+        self.lendable: dict[int, int] = {g: mem_total.get(g, 0) - kept - self.residue.get(g, 0)
+                                         for g, kept in stopped.items() if g not in held and g in healthy}
         held.update(stopped)
         self.free: dict[str, list[int]] = {n: [] for n in self.nodes}
         node_of = self.node_of
@@ -68,6 +80,45 @@ class ClusterState:
         self._spillable: Optional[dict[str, list[JobView]]] = None
         self._not_spillable: set[str] = set()
         self.refresh()
+
+    def _add_residue(self, j: JobView, gpus: tuple[int, ...]) -> None:
+        for g in gpus:
+            self.residue[g] = self.residue.get(g, 0) + j.residue_bytes
+            if j.phase is Phase.PAUSED:
+                self.residue_of.setdefault(g, []).append(j)
+
+    def fits(self, g: int, w: JobView, extra: int = 0) -> bool:
+        """`w`'s known footprint fits on GPU `g` beside the residue there (and `extra` bytes more).
+        The residue counts `w`'s own when `g` is its home: what it keeps is part of its footprint
+        when it resumes. A job of unknown footprint (0), or a GPU of unknown size, fits."""
+        kept = self.residue.get(g, 0) + extra
+        if kept <= 0 or w.mem_bytes <= 0:
+            return True
+        total = self.mem_total.get(g, 0)
+        return total <= 0 or kept + w.mem_bytes <= total
+
+    def pools_for(self, w: JobView) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """The free and pending GPUs `w` fits on, per node: the pools themselves when no GPU has
+        a residue (every round of the simulator), else filtered copies."""
+        if not self.residue:
+            return self.free, self.pending
+        fits = self.fits
+        return ({n: [g for g in gs if fits(g, w)] for n, gs in self.free.items()},
+                {n: [g for g in self.pending.get(n, ()) if fits(g, w)] for n in self.nodes})
+
+    def take_these(self, node: str, gpus: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """Take these free GPUs (chosen from `pools_for`) out of the free pool."""
+        self.take_exactly(node, set(gpus))
+        return tuple(gpus)
+
+    def reserve_for(self, w: JobView, node: str, need: int) -> int:
+        """`reserve` of the GPUs `w` fits on; how many are still missing."""
+        if not self.residue:
+            return self.reserve(node, need)
+        free, pending = self.pools_for(w)
+        got = free[node][:need] + pending[node][:max(0, need - len(free[node]))]
+        self.take_exactly(node, set(got))
+        return need - len(got)
 
     def park_into_ram(self, node: str, nbytes: int) -> None:
         self.ram_free[node] -= nbytes

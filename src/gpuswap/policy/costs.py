@@ -86,6 +86,14 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
     return ParkPlan(best[2], best[0], best[3]) if best is not None else None
 
 
+def disk_plan(job: JobView, costs: SwitchCosts, config: PolicyConfig) -> Optional[ParkPlan]:
+    """`park_plan`'s disk choice alone (RAM ruled out: what the park would leave on the GPU is in
+    the way, policy/residue.py), or None when the job cannot go to disk."""
+    if not job.preemptible or "disk" not in job.tiers or not config.allow_disk:
+        return None
+    return ParkPlan("disk", switch_s(job, "disk", costs) * max(job.gpus, 1))
+
+
 def choose_tier(job: JobView, node: str, ram_free: Mapping[str, float], costs: SwitchCosts,
                 config: PolicyConfig) -> Optional[str]:
     """The tier `park_plan` would choose with nothing to spill (kept for callers outside the engine)."""

@@ -5,7 +5,8 @@ Rules kept here, once, for every policy: whole exclusive GPUs, all of a job's GP
 best-fit placement, RAM-parked jobs resume on their own node (and a job pinned to its GPUs on those
 GPUs), GPUs of PAUSING/RESUMING jobs stay held, GPUs a pause in flight will free are reserved for the
 first waiting job that can use them (so no second round of victims is paused for the same need), a
-stopped job's GPUs lent only to jobs that fit beside the memory it keeps, the host-RAM budget.
+stopped job's GPUs lent only to jobs that fit beside the memory it keeps, the host-RAM budget, the
+memory a RAM park leaves on a GPU kept reserved (`residue.py`).
 Victims: `victims.py`; the GPUs a round can hand out: `cluster.py`; tiers and costs: `costs.py`.
 """
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Optional
 
+from gpuswap.policy import residue
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import job_bytes, spill_order_ok
 from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
 from gpuswap.policy.specs import Ctx, Spec
-from gpuswap.policy.victims import Chosen, Preemption
+from gpuswap.policy.victims import Chosen, Preemption, may_spill_for
 
 
 def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
@@ -51,6 +53,7 @@ class _Round:
         self.out: list[Decision] = []
         self.pre: Optional[Preemption] = None      # built on first need: most calls never need it
         self.resumed: set[str] = set()
+        self.cleared: set[str] = set()              # RAM-parked jobs spilled to clear their residue
         # Preemption only gets harder as a round goes on (victims are taken, GPUs and RAM room
         # handed out) and waiting jobs come in rising level, so a job like one that found no plan
         # (same GPUs, places and benefit group, rank no lower) finds none either.
@@ -65,6 +68,8 @@ class _Round:
         cl.set_order(waiting)
         done = False                        # nothing is left for the jobs still in the queue
         for key, w in keyed:
+            if w.id in self.cleared:
+                continue                    # leaving RAM for a job ahead of it
             if w.holds_gpu_while_paused:
                 self._continue_stopped(w)
             elif w.home_gpus:
@@ -90,19 +95,20 @@ class _Round:
             self._preempt(w, key, lw, need)
             return False
         nodes = cl.candidate_nodes(w)
+        free, pending = cl.pools_for(w)     # the GPUs w fits on beside any residue (usually all)
         if cl.max_free >= need:
-            fit = [n for n in nodes if len(cl.free[n]) >= need]
+            fit = [n for n in nodes if len(free[n]) >= need]
             if fit:
-                node = min(fit, key=lambda n: (len(cl.free[n]), n))      # best fit
-                gpus = cl.take(node, need)
+                node = min(fit, key=lambda n: (len(free[n]), n))      # best fit
+                gpus = cl.take(node, need) if free is cl.free else cl.take_these(node, free[node][:need])
                 self._run(w, node, gpus, f"on {node} GPU {_ids(gpus)}")
                 return False
         if cl.max_soon >= need:
-            soon = [n for n in nodes if len(cl.free[n]) + len(cl.pending[n]) >= need]
+            soon = [n for n in nodes if len(free[n]) + len(pending[n]) >= need]
             if soon:                        # a pause in flight will make room: wait for it
-                node = min(soon, key=lambda n: (len(cl.free[n]) + len(cl.pending[n]), n))
+                node = min(soon, key=lambda n: (len(free[n]) + len(pending[n]), n))
                 before = self.why.snapshot_pools(node) if self.why is not None else None
-                cl.reserve(node, need)
+                cl.reserve_for(w, node, need)
                 cl.refresh()
                 if self.why is not None:
                     self._explain_reserved(w, node, before)
@@ -113,14 +119,16 @@ class _Round:
                 node, gpus = lent
                 self._run(w, node, gpus, f"on {node} GPU {_ids(gpus)} beside a stopped job's memory")
                 return False
+        if cl.residue and cl.max_free >= need and self._clear_residue(w, key, nodes, need):
+            return False
         if w.parked == "ram" and cl.max_free >= need and "disk" in w.tiers and self.snap.config.allow_disk:
-            elsewhere = [n for n in cl.nodes if n != w.node and len(cl.free[n]) >= need]
+            elsewhere = [n for n in cl.nodes if n != w.node and len(free[n]) >= need]
             if elsewhere:                   # its node is full but GPUs idle elsewhere: relocate via disk
                 self.out.append(Spill(w.id, f"{w.node} is busy; moved to disk to resume on another node"))
                 self.resumed.add(w.id)
-                node = min(elsewhere, key=lambda n: (len(cl.free[n]), n))
+                node = min(elsewhere, key=lambda n: (len(free[n]), n))
                 before = self.why.snapshot_pools(node) if self.why is not None else None
-                cl.reserve(node, need)
+                cl.reserve_for(w, node, need)
                 cl.refresh()
                 if self.why is not None:
                     self.why.promise(w, node, before)
@@ -149,7 +157,7 @@ class _Round:
             return
         node, chosen = found
         before = self.why.snapshot_pools(node) if self.why is not None else None
-        self.cl.reserve(node, need)
+        self.cl.reserve_for(w, node, need)
         self._pause(w, node, chosen)
         if self.why is not None:
             self.why.promise(w, node, before)
@@ -165,10 +173,13 @@ class _Round:
                 self.why.say(w, "Resources", f"its own GPU {_ids(w.home_gpus)} is not among this node's GPUs")
             return
         free, pending = set(cl.free[node]), set(cl.pending[node])
-        if home <= free:
+        fits = not cl.residue or all(cl.fits(g, w) for g in home)    # beside others' residue
+        if home <= free and fits:
             cl.take_exactly(node, home)
             self._run(w, node, tuple(sorted(home)), f"on its own GPU {_ids(sorted(home))}")
-        elif home <= free | pending:
+        elif home <= free and self._clear_residue(w, key, [node], len(home), home):
+            pass
+        elif home <= free | pending and fits:
             cl.take_exactly(node, home)     # a pause in flight frees the rest: wait for it
             cl.refresh()
             if self.why is not None:
@@ -185,6 +196,41 @@ class _Round:
             elif self.why is not None:
                 self.why.blocked(w, self._level(w, key), self.out, sorted(home),
                                  f"waiting for its own GPU {_ids(sorted(home))} (its state stays tied to them)")
+
+    def _clear_residue(self, w: JobView, key: tuple, nodes: list[str], need: int,
+                       exact: Optional[set[int]] = None) -> bool:
+        """Free GPUs `w` does not fit on only because RAM-parked jobs keep a residue there: spill
+        those jobs to disk, if `w` may (residue.py), and reserve the GPUs for `w` meanwhile."""
+        lw = self._level(w, key)
+        if lw is None:
+            return False
+        snap, spec, ctx, cl = self.snap, self.spec, self.ctx, self.cl
+        found = residue.clearing(
+            w, nodes, need, cl, lambda p: p.id not in self.resumed and may_spill_for(w, lw, p, snap, spec, ctx),
+            lambda p: spec.order(p, ctx), exact)
+        if found is None:
+            return False
+        node, gpus, spills = found
+        before = self.why.snapshot_pools(node) if self.why is not None else None
+        cl.take_exactly(node, set(gpus))
+        cl.refresh()
+        ids = {p.id for p in spills}
+        for p in spills:
+            why = (f"the memory it keeps on GPU {_ids(sorted(set(p.home_gpus) & set(gpus)))} leaves too little "
+                   f"for job {w.id}")
+            self.out.append(Spill(p.id, f"{why}; moved to disk"))
+            if self.why is not None:
+                self.why.say(p, "Spilling", f"being moved to disk: {why}")
+        self.resumed |= ids
+        self.cleared |= ids
+        cl.not_spillable(node, ids)
+        if self.why is not None:
+            self.why.promise(w, node, before)
+            g = next(g for g in gpus if not cl.fits(g, w))
+            text, numbers = residue.kept_text(w, g, cl)
+            self.why.say(w, "Residue", f"GPU {g} is {text}: moving job {', '.join(sorted(ids))} to disk to free it",
+                         **numbers)
+        return True
 
     def _continue_stopped(self, w: JobView) -> None:
         """A stopped job (SIGSTOP fallback) continues once nobody computes on its GPUs."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from gpuswap.jobs import format_size
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import park_plan
+from gpuswap.policy.residue import after_park, kept_text
 from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
 from gpuswap.policy.specs import Ctx, Spec, gs_band, label, las_queue, service_s
 from gpuswap.policy.victims import protection, switch_cap_numbers, under_switch_cap
@@ -62,7 +64,8 @@ class Explainer:
         else:
             node, wanted = (cl.node_of.get(gpus[0], "") if gpus else ""), sorted(gpus)
         need = max(w.gpus, 1) if gpus is None else len(wanted)
-        free = [g for g in wanted if g in cl.free.get(node, ())]
+        free = [g for g in wanted if g in cl.free.get(node, ()) and cl.fits(g, w)]
+        kept = [g for g in wanted if g in cl.free.get(node, ()) and not cl.fits(g, w)]   # a residue
         parts: list[tuple[str, list[int]]] = []       # (description, GPUs), in GPU order, grouped
         blockers: list[Blocker] = []
         by_desc: dict[str, list[int]] = {}
@@ -72,7 +75,13 @@ class Explainer:
             holder = self.holders.get(g)
             if holder is not None and holder.id == w.id:
                 continue
-            if g in given:
+            if g in kept:
+                desc, numbers = kept_text(w, g, cl)
+                holders = [p for p in cl.residue_of.get(g, ()) if p.id != w.id]
+                b = Blocker(holders[0].id, tuple(holders[0].home_gpus), "Residue",
+                            f"parked in RAM, keeps {format_size(holders[0].residue_bytes)} on GPU {g}",
+                            numbers) if holders else None
+            elif g in given:
                 desc, b = f"given to job {given[g]} this round", None
             elif g in self.promised:
                 desc, b = f"promised to job {self.promised[g]}, ahead in the queue", None
@@ -92,7 +101,8 @@ class Explainer:
         head = lead or (f"waiting for {need} GPU{'s' if need != 1 else ''}{where}"
                         + (f" ({len(free)} free)" if free else ""))
         text = head + ": " + "; ".join(f"GPU {','.join(map(str, gs))} {d}" for d, gs in parts) if parts else head
-        code = blockers[0].code if blockers else ("Priority" if any(g in self.promised or g in given for g in wanted)
+        code = blockers[0].code if blockers else ("Residue" if kept else "Priority"
+                                                  if any(g in self.promised or g in given for g in wanted)
                                                   else "Resources")
         self.waits[w.id] = Wait(w.id, code, text, {"gpus_needed": need, "gpus_free": len(free)}, tuple(blockers))
 
@@ -125,6 +135,11 @@ class Explainer:
         if plan is None:
             return ("NoRoom", "nowhere to park it: the host-RAM park budget is full"
                     + ("" if snap.config.allow_disk and "disk" in v.tiers else " and it cannot go to disk"), {})
+        if cl.residue or v.residue_bytes > 0:
+            kept_plan = after_park(w, v, plan, cl, snap)
+            if kept_plan is None:
+                return self._residue_in_way(w, v)
+            plan = kept_plan
         cost = plan.per_gpu_s(v)
         if spec.switch_cap and not under_switch_cap(v, cost, snap):
             n = switch_cap_numbers(v, cost, snap)
@@ -138,6 +153,23 @@ class Explainer:
             return ("Benefit", f"same class; the gain ({gain:.0f} s less service) is under {factor:g}x the "
                     f"{cost:.0f} s a switch costs", {"gain_s": gain, "switch_s": cost, "factor": factor})
         return "Resources", "could be paused, but that alone would not free enough GPUs on one node", {"switch_s": cost}
+
+    def _residue_in_way(self, w: JobView, v: JobView) -> tuple[str, str, dict[str, float]]:
+        """Why pausing `v` would not make room for `w`: memory RAM-parked jobs keep on its GPUs."""
+        cl = self.cl
+        total = max((cl.mem_total.get(g, 0) for g in v.assigned), default=0)
+        others = max((cl.residue.get(g, 0) for g in v.assigned), default=0)
+        mem = format_size(w.mem_bytes)
+        if not all(cl.fits(g, w) for g in v.assigned):
+            text = (f"parked jobs keep {format_size(others)} of its GPU's {format_size(total)}: too little room "
+                    f"for this job's {mem} even once it is paused")
+        else:
+            others += v.residue_bytes
+            text = (f"parked in RAM it would keep {format_size(others)} of its GPU's {format_size(total)} "
+                    f"(its CUDA context and what it did not attach): too little room for this job's {mem}, "
+                    "and it cannot be parked to disk")
+        return "Residue", text, {"residue_bytes": float(others), "mem_bytes": float(w.mem_bytes),
+                                 "mem_total": float(total)}
 
     def _level_text(self, w: JobView, v: JobView) -> str:
         """Why `v` ranks too high for `w` to pause it, in the policy's terms."""

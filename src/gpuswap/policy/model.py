@@ -28,6 +28,9 @@ class GpuView:
     node: str = "local"
     mem_total: int = 0       # bytes
     healthy: bool = True
+    # Memory on it that no job of the snapshot accounts for but that stays taken: what RAM-parked
+    # jobs left out of the snapshot (held by their users) keep there (see JobView.residue_bytes).
+    residue_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,11 @@ class JobView:
     # A RAM-parked cooperative job keeps its CUDA context on the GPUs it ran on, so it can only
     # resume there: Resume(gpus) for a job with home_gpus must name exactly these GPUs.
     home_gpus: tuple[int, ...] = ()
+    # What a cooperative RAM park leaves on each of the job's GPUs (CUDA context, library
+    # workspaces, tensors it did not attach), as NVML measured at its last such park; 0 before
+    # one (unknown: docs/policies.md). A RAM-parked job keeps it on each of its home_gpus; for a
+    # running job it is what parking it to RAM would leave for the job that takes its GPUs.
+    residue_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,9 @@ from operator import itemgetter
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, job_bytes, park_plan
-from gpuswap.policy.model import JobView, Snapshot
+from gpuswap.policy.costs import ParkPlan, job_bytes, park_plan, spill_penalty_gpu_s
+from gpuswap.policy.model import JobView, Phase, Snapshot
+from gpuswap.policy.residue import after_park
 from gpuswap.policy.specs import Ctx, Spec
 
 Chosen = list[tuple[JobView, ParkPlan]]
@@ -48,6 +49,23 @@ def protection(v: JobView, snap: Snapshot) -> Optional[tuple[str, str, dict[str,
         return ("MinRuntime", f"protected for its minimum runtime, {left:.0f} s more",
                 {"seconds_left": left, "min_runtime_s": snap.config.min_runtime_s})
     return None
+
+
+def may_spill_for(w: JobView, lw: Optional[tuple], p: JobView, snap: Snapshot, spec: Spec, ctx: Ctx) -> bool:
+    """Whether waiting job `w` (level `lw`) may have RAM-parked `p` spilled to disk to clear the
+    residue `p` keeps on a GPU `w` needs: the rules that would let `w` pause `p` were it running
+    (preemptible, a disk tier, a strictly lower level, the switch cap and benefit gates), at the
+    spill's cost (its resume becomes a disk restart)."""
+    if lw is None or p.phase is not Phase.PAUSED or p.parked != "ram" or not p.preemptible:
+        return False
+    if "disk" not in p.tiers or not snap.config.allow_disk or p.holds_gpu_while_paused:
+        return False
+    if not lw < spec.level(p, ctx):
+        return False
+    cost = spill_penalty_gpu_s(p, snap.costs) / max(p.gpus, 1)
+    if spec.switch_cap and not under_switch_cap(p, cost, snap):
+        return False
+    return spec.benefit_ok is None or spec.benefit_ok(w, p, ctx, cost)
 
 
 def switch_cap_numbers(v: JobView, cost: float, snap: Snapshot) -> dict[str, float]:
@@ -130,6 +148,10 @@ def plan_on(w: JobView, lw: tuple, node: str, ranked: list[tuple[tuple, Victim]]
                              snap.costs, snap.config)
         if plan is None:
             continue
+        if cl.residue or v.residue_bytes > 0:   # would its RAM park leave too little room for w?
+            plan = after_park(w, v, plan, cl, snap)
+            if plan is None:
+                continue
         cost = plan.per_gpu_s(v)
         if spec.switch_cap and not under_switch_cap(v, cost, snap):
             continue
@@ -194,10 +216,11 @@ class Preemption:
             return None                     # no node could free enough GPUs, whatever the gates say
         plans = []
         pairs = self.pairs
+        free, pending = cl.pools_for(w)     # the GPUs w fits on (all, when no GPU keeps a residue)
         for node in nodes:
             if not pairs.get(node) or self._room(lw, [node]) < need:
                 continue
-            plan = plan_on(w, lw, node, self._ranked(node), w.gpus - len(cl.free[node]) - len(cl.pending[node]),
+            plan = plan_on(w, lw, node, self._ranked(node), w.gpus - len(free[node]) - len(pending[node]),
                            cl, self.snap, self.spec, self.ctx)
             if plan is not None:
                 chosen, cost, worst = plan

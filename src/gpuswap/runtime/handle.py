@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
-from gpuswap.runtime import channel
+from gpuswap.runtime import channel, simdevice
 from gpuswap.runtime.objects import Attached, classify, is_plain, iter_tensors
 
 EXIT_WATCHDOG_S = 30.0
@@ -188,6 +188,7 @@ class Job:
             self._phase = "running"
 
     def _mark_parked(self) -> None:
+        simdevice.hold(0, self.config.simulated)  # parked: a simulated GPU keeps only the context floor
         with self._cond:
             self._phase = "parked"
             self._last_bytes = 0
@@ -230,6 +231,7 @@ class Job:
             self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
         except RuntimeError:  # a container changed size under us (a thread of the user's): keep the last
             pass
+        simdevice.hold(self._last_bytes, self.config.simulated)  # simulated GPUs: what NVML would list
         return self._last_bytes
 
     def _hello(self) -> dict[str, Any]:

@@ -124,6 +124,7 @@ def serve(job: "Job", tier: str) -> None:
         t1 = time.perf_counter()
         if _unpark_or_report(job, park):
             job._mark_running()
+            job._measure()  # its device memory is back (a simulated GPU lists it) before it says so
             job._send({"op": "resumed", "bytes": park.nbytes,
                        "seconds": round(time.perf_counter() - t1, 6)})
             return

@@ -93,7 +93,7 @@ class _RunningView(JobView):
                       last_start=j.last_start, switch_s=j.switch_s, assigned=j.assigned,
                       parked=j.parked, parked_bytes=j.parked_bytes, preemptible=True,
                       tiers=sim.model.tiers, holds_gpu_while_paused=False, node=j.node,
-                      weight=s.weight)
+                      weight=s.weight, residue_bytes=0)   # no residue in the simulator
         for name, value in values.items():
             _SLOT[name].__set__(v, value)
         object.__setattr__(v, "_sim", sim)

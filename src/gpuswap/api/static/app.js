@@ -109,7 +109,13 @@ function where(j) {
 // footprint could not be measured) has none to show, which "size unknown" says instead of "-".
 function parkedSize(j) {
   if (!j.tier) return "-";
-  return j.parked_bytes ? size(j.parked_bytes) : "size unknown";
+  return (j.parked_bytes ? size(j.parked_bytes) : "size unknown") + residueText(j);
+}
+
+// What a job parked in RAM by its runtime still holds on its GPUs (its CUDA context and what it
+// did not attach): "; 512 MiB stays on GPU 0", or "".
+function residueText(j) {
+  return (j.residue || []).map((r) => `; ${size(r.bytes)} stays on GPU ${r.gpu}`).join("");
 }
 
 function actionButtons(j) {
@@ -148,7 +154,8 @@ function renderOverview(o) {
     const holders = g.jobs.map((id) => {
       const j = byId[id];
       return j ? h("div", { "data-gpu-job": id }, `job ${id} `, j.user, " ", stateSpan(j.state)) : `job ${id}`;
-    });
+    }).concat((g.residue || []).map((r) => h("div", { "data-gpu-residue": r.job, class: "muted" },
+      `job ${r.job} parked in RAM keeps ${size(r.bytes)}`)));
     return h("div", { class: "gpu", "data-gpu": g.index },
       h("h3", {}, `GPU ${g.index} · `, g.name, g.simulated ? [" ", h("span", { class: "badge sim" }, "simulated")] : []),
       bar(pct, `${pct.toFixed(0)}%`),
@@ -206,7 +213,8 @@ async function renderJob(id) {
   $("#job-actions").replaceChildren(...actionButtons({ ...j, mine: true, tier: j.parked }));
   const facts = [["owner", j.user], ...(j.pending_reason ? [["waiting", `${j.pending_reason}: ${j.pending_reason_text}`]] : []),
     ["priority", j.priority + (j.preemptible ? "" : ", no-preempt")],
-    ["where", where({ ...j, tier: j.parked })], ["parked", j.parked ? `${j.parked} (${size(j.parked_bytes)})` : "-"],
+    ["where", where({ ...j, tier: j.parked })],
+    ["parked", (j.parked ? `${j.parked} (${size(j.parked_bytes)})` : "-") + residueText(j)],
     ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}`], ["step", j.step ?? "-"],
     ["in state", dur(j.time_in_state_s)], ["preemptions", j.preemptions],
     ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["command", j.argv.join(" ")]];

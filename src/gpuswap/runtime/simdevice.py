@@ -1,0 +1,80 @@
+"""On simulated GPUs, a job that uses the runtime is a simulated CUDA process, as a real one is.
+
+A real training process holds device memory the runtime never attaches: its CUDA context (module
+code, the driver's per-context buffers), library handles and workspaces (cuBLAS, cuDNN, NCCL),
+CUDA-graph and torch.compile pools, tensors it did not attach. A cooperative RAM park frees the
+attached tensors and the allocator's cache, never that floor: NVML keeps listing the process with
+it. Without a GPU the daemon finds a job's device memory only in the simulated device's process
+list (gpuswap.simcuda), so the runtime registers its process there with
+
+    context floor + attached device bytes    (CPU tensors stand for device memory in simulation)
+
+updated whenever a measurement changes: at attach, at each measured safepoint, before a RAM park
+is reported (the floor alone: a park cannot free it) and before a resume is reported (the floor
+and the attached bytes again). A disk park exits, and the registration dies with the process.
+
+The floor: PyTorch measured its own context at 287,047,680 bytes with lazy module loading and
+666,632,192 bytes without (pytorch/pytorch#86509, which made CUDA_MODULE_LOADING=LAZY torch's
+default; NVIDIA's CUDA Programming Guide, "Lazy Loading": it cuts the context's device memory);
+users see ~0.5-0.8 GB per process in nvidia-smi before allocating anything (pytorch/pytorch#34323:
+781 MB), more once cuBLAS/cuDNN/NCCL have initialized. The default, 512 MiB, is in that range;
+tests choose theirs with GPUSWAP_SIM_CONTEXT_BYTES (read only on simulated GPUs).
+
+One registration per process, on its first visible GPU (simcuda's model: one GPU per process), so
+a simulated job that spreads tensors over several GPUs shows its floor on the first one only.
+Training thread only (as every walk of the attached tensors): no lock is needed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping, Optional
+
+ENV_CONTEXT = "GPUSWAP_SIM_CONTEXT_BYTES"
+DEFAULT_CONTEXT_BYTES = 512 * 2**20
+
+_registered: Optional[int] = None       # bytes last registered by this process (None: not yet)
+_pid: Optional[int] = None              # ... and by which process (a fork is a process of its own)
+_floor: Optional[int] = None            # context_bytes(), read once
+
+
+def context_bytes(env: Mapping[str, str] = os.environ) -> int:
+    """The simulated context floor: $GPUSWAP_SIM_CONTEXT_BYTES (bytes, or a size such as 256MiB),
+    else the default; a value that cannot be read is reported once and the default used."""
+    text = env.get(ENV_CONTEXT, "").strip()
+    if not text:
+        return DEFAULT_CONTEXT_BYTES
+    from gpuswap.jobs import parse_size
+
+    try:
+        value = parse_size(text)
+        if 0 <= value <= 2**50:
+            return value
+    except ValueError:
+        pass
+    print(f"gpuswap: ignoring {ENV_CONTEXT}={text[:40]!r}: not a size; using {DEFAULT_CONTEXT_BYTES} bytes",
+          file=sys.stderr, flush=True)
+    return DEFAULT_CONTEXT_BYTES
+
+
+def hold(attached_bytes: int, simulated: bool) -> None:
+    """This process now holds the floor plus `attached_bytes` on its simulated GPU (registered on
+    the first call). Nothing happens on real GPUs or outside a daemon's simulated GPUs."""
+    global _registered, _pid, _floor
+    if not simulated:
+        return
+    from gpuswap import simcuda
+
+    if not os.environ.get(simcuda.ENV_DIR):
+        return
+    if _floor is None:
+        _floor = context_bytes()
+    total = _floor + max(0, int(attached_bytes))
+    if total == _registered and _pid == os.getpid():
+        return
+    try:
+        simcuda.allocate(total)
+    except (OSError, ValueError, IndexError) as exc:   # a bad CUDA_VISIBLE_DEVICES, a full disk
+        print(f"gpuswap: could not register with the simulated GPU: {exc}", file=sys.stderr, flush=True)
+        return
+    _registered, _pid = total, os.getpid()

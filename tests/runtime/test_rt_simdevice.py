@@ -1,0 +1,77 @@
+"""On simulated GPUs the runtime's process is a simulated CUDA process, as a real one is: it holds a
+context floor plus its attached bytes; a RAM park leaves exactly the floor (a park cannot free
+it); a resume puts the attached bytes back (runtime/simdevice.py, issue 12 bug 5)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import gpuswap
+from gpuswap import simcuda
+from gpuswap.runtime import simdevice
+
+FLOOR = 3 * 2**20
+
+
+@pytest.fixture
+def device(monkeypatch, tmp_path, peer):
+    monkeypatch.setenv("GPUSWAP_JOB_ID", "simdevice-test")
+    monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
+    monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
+    monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
+    monkeypatch.setenv(simcuda.ENV_DIR, str(tmp_path / "sim"))
+    monkeypatch.setenv(simdevice.ENV_CONTEXT, str(FLOOR))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    for name in ("_registered", "_pid", "_floor"):        # a fresh process, as far as the module knows
+        monkeypatch.setattr(simdevice, name, None)
+    dev = simcuda.SimDevice(tmp_path / "sim")
+    dev.prepare()
+    return dev
+
+
+def _held(dev: simcuda.SimDevice) -> list[tuple[int, int, int]]:
+    return [r for r in dev.resident() if r[0] == os.getpid()]
+
+
+def test_attach_registers_the_floor_and_the_attached_bytes_a_ram_park_leaves_the_floor(device, peer):
+    model = torch.nn.Linear(64, 64)
+    job = gpuswap.attach(model=model)
+    attached = job.device_bytes()
+    assert attached > 0 and _held(device) == [(os.getpid(), 1, FLOOR + attached)]
+    seen: dict = {}
+
+    def drive() -> None:
+        job.request_pause("ram")
+        while not job.parked:
+            time.sleep(0.001)
+        seen["parked"] = _held(device)
+        job.request_resume()
+
+    t = threading.Thread(target=drive)
+    t.start()
+    while job._phase == "running" and not job._pending:
+        time.sleep(0.001)
+    job.safepoint(0)
+    t.join(10)
+    assert seen["parked"] == [(os.getpid(), 1, FLOOR)]          # the floor stays, nothing else
+    assert _held(device) == [(os.getpid(), 1, FLOOR + attached)]  # back before `resumed` is sent
+    job.close()
+
+
+def test_nothing_is_registered_on_real_gpus_or_outside_a_daemons_simulated_gpus(device, monkeypatch):
+    simdevice.hold(100, simulated=False)
+    assert _held(device) == []
+    monkeypatch.delenv(simcuda.ENV_DIR)
+    simdevice.hold(100, simulated=True)
+    assert _held(device) == []
+
+
+def test_the_floor_is_chosen_by_the_environment_and_a_bad_value_falls_back(capsys):
+    assert simdevice.context_bytes({}) == simdevice.DEFAULT_CONTEXT_BYTES == 512 * 2**20
+    assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "256MiB"}) == 256 * 2**20
+    assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "lots"}) == simdevice.DEFAULT_CONTEXT_BYTES
+    assert "ignoring GPUSWAP_SIM_CONTEXT_BYTES" in capsys.readouterr().err
