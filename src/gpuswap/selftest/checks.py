@@ -91,16 +91,14 @@ def _ram(s: Scenario, simulated: bool, hold_at: int) -> list[Check]:
     out = [Check("parked in RAM by the job's runtime", s.parked == "ram" and s.mechanism == "cooperative",
                  f"parked {s.parked or '-'} ({s.mechanism or '-'}), {_size(s.parked_bytes)}", "ram, cooperative")]
     name = f"NVML sees the job's tensors before the park (≥ floor + {SEEN_FRACTION:g} × parked)"
-    if simulated:
-        out.append(Check(name, None, _size(s.nvml_before), note="n/a on simulated GPUs: the simulated device "
-                         "does not hold a cooperative job's tensors"))
-    else:
-        out.append(_unmeasured(name, s.nvml_before, s.floor, s.parked_bytes) or Check(
-            name, s.nvml_before >= s.floor + SEEN_FRACTION * s.parked_bytes,            # type: ignore[operator]
-            f"{_size(s.nvml_before)} before; floor {_size(s.floor)}, parked {_size(s.parked_bytes)}",
-            f"≥ {_size(int(s.floor + SEEN_FRACTION * s.parked_bytes))}",               # type: ignore[operator]
-            "NVML does not see the job's memory (in a container without the host's PID namespace NVML's "
-            "pids are not the job's)"))
+    # Simulated GPUs too: the runtime registers its process with the simulated device as the context
+    # floor plus its attached bytes (runtime/simdevice.py), as NVML lists a real job's process.
+    out.append(_unmeasured(name, s.nvml_before, s.floor, s.parked_bytes) or Check(
+        name, s.nvml_before >= s.floor + SEEN_FRACTION * s.parked_bytes,            # type: ignore[operator]
+        f"{_size(s.nvml_before)} before; floor {_size(s.floor)}, parked {_size(s.parked_bytes)}",
+        f"≥ {_size(int(s.floor + SEEN_FRACTION * s.parked_bytes))}",               # type: ignore[operator]
+        "NVML does not see the job's memory (in a container without the host's PID namespace NVML's "
+        "pids are not the job's)"))
     name = "NVML during the park ≤ context floor + margin"
     out.append(_unmeasured(name, s.nvml_during, s.floor) or Check(
         name, s.nvml_during <= s.floor + margin(s.parked_bytes),                      # type: ignore[operator]
