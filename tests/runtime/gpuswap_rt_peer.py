@@ -121,3 +121,25 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int, str, str
 
 def read_result(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def pause_in_background(job: Any, check: Any, step: int = 7) -> dict[str, Any]:
+    """Park in RAM at the safepoint the calling thread is about to enter, run `check` while the job
+    is parked, then resume: the pause is driven from another thread as the runtime's control
+    thread would. `safepoint` returns only after the resume, so `check`'s result is in by then."""
+    seen: dict[str, Any] = {}
+
+    def drive() -> None:
+        job.request_pause("ram")
+        while not job.parked:
+            time.sleep(0.001)
+        seen.update(check())
+        job.request_resume()
+
+    t = threading.Thread(target=drive)
+    t.start()
+    while job._phase == "running" and not job._pending:
+        time.sleep(0.001)
+    job.safepoint(step)
+    t.join()
+    return seen

@@ -2,14 +2,13 @@
 come back bitwise, and the control channel hears about it."""
 from __future__ import annotations
 
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import gpuswap
+from gpuswap_rt_peer import pause_in_background
 
 
 @pytest.fixture
@@ -31,26 +30,6 @@ def _trained():
     return model, opt
 
 
-def _pause_in_background(job, check):
-    """Park at the safepoint the main thread is about to enter; run `check` while parked."""
-    seen = {}
-
-    def drive():
-        job.request_pause("ram")
-        while not job.parked:
-            time.sleep(0.001)
-        seen.update(check())
-        job.request_resume()
-
-    t = threading.Thread(target=drive)
-    t.start()
-    while job._phase == "running" and not job._pending:
-        time.sleep(0.001)
-    job.safepoint(7)
-    t.join(10)
-    return seen
-
-
 def test_park_frees_and_restores_same_tensors_bitwise(sim_env):
     model, opt = _trained()
     base = torch.randn(10)
@@ -63,7 +42,7 @@ def test_park_frees_and_restores_same_tensors_bitwise(sim_env):
     assert sim_env.expect("hello")["device_bytes"] > 0
     full = job.device_bytes()
 
-    seen = _pause_in_background(job, lambda: {
+    seen = pause_in_background(job, lambda: {
         "bytes": job.device_bytes(),
         "storage_sizes": {t.untyped_storage().nbytes() for t, _ in before},
     })
@@ -87,7 +66,7 @@ def test_tensor_on_foreign_memory_is_parked_through_a_placeholder(sim_env):
     array = np.arange(12, dtype=np.float32)
     t = torch.from_numpy(array).view(3, 4)  # storage torch cannot resize
     job = gpuswap.attach(t=t)
-    seen = _pause_in_background(job, lambda: {"numel": t.numel()})
+    seen = pause_in_background(job, lambda: {"numel": t.numel()})
     assert seen == {"numel": 0}
     assert torch.equal(t, torch.arange(12, dtype=torch.float32).view(3, 4)) and t.shape == (3, 4)
     job.close()
@@ -107,7 +86,7 @@ def test_pause_ignored_when_parked_and_cancelled_by_early_resume(sim_env):
         job.request_pause("ram")  # already parked: ignored
         return {"parked": job.parked}
 
-    assert _pause_in_background(job, check) == {"parked": True}
+    assert pause_in_background(job, check) == {"parked": True}
     sim_env.expect("paused")
     sim_env.expect("resumed")
     job.close()

@@ -4,8 +4,6 @@ it); a resume puts the attached bytes back (runtime/simdevice.py, issue 12 bug 5
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 import gpuswap
 from gpuswap import simcuda
 from gpuswap.runtime import simdevice
+from gpuswap_rt_peer import pause_in_background
 
 FLOOR = 3 * 2**20
 
@@ -42,21 +41,7 @@ def test_attach_registers_the_floor_and_the_attached_bytes_a_ram_park_leaves_the
     job = gpuswap.attach(model=model)
     attached = job.device_bytes()
     assert attached > 0 and _held(device) == [(os.getpid(), 1, FLOOR + attached)]
-    seen: dict = {}
-
-    def drive() -> None:
-        job.request_pause("ram")
-        while not job.parked:
-            time.sleep(0.001)
-        seen["parked"] = _held(device)
-        job.request_resume()
-
-    t = threading.Thread(target=drive)
-    t.start()
-    while job._phase == "running" and not job._pending:
-        time.sleep(0.001)
-    job.safepoint(0)
-    t.join(10)
+    seen = pause_in_background(job, lambda: {"parked": _held(device)}, step=0)
     assert seen["parked"] == [(os.getpid(), 1, FLOOR)]          # the floor stays, nothing else
     assert _held(device) == [(os.getpid(), 1, FLOOR + attached)]  # back before `resumed` is sent
     job.close()
