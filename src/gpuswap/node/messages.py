@@ -253,6 +253,19 @@ def exit_facts(raw: Any) -> Optional[dict[str, Any]]:
     }
 
 
+def rank_pids(raw: Any) -> list[tuple[int, Optional[int]]]:
+    """status.json's `rank_pids` (the processes of a multi-rank job's ranks, by the kernel's
+    SO_PEERCRED pid, with their start ticks): (pid, start ticks) for each valid entry."""
+    out: list[tuple[int, Optional[int]]] = []
+    for r in raw[:MAX_WORLD * 4] if isinstance(raw, list) else []:
+        if not isinstance(r, dict) or pid_or_none(r.get("pid")) is None:
+            continue
+        ticks = r.get("start_ticks")
+        ok = isinstance(ticks, int) and not isinstance(ticks, bool) and 0 <= ticks < 2**63
+        out.append((r["pid"], ticks if ok else None))
+    return out
+
+
 def pid_or_none(v: Any) -> Optional[int]:
     """A job pid read back from status.json, if it is one."""
     return v if _small_int(v) and 1 <= v <= MAX_PID else None

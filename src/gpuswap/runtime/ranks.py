@@ -68,6 +68,7 @@ class RankJob(Job):
 
     def __init__(self, items: list[Attached], config: RuntimeConfig, who: RankIdentity) -> None:
         super().__init__(items, config)
+        simdevice.bind(who.local_rank)
         self.tick = 0
         self.rank, self.world_size, self.local_rank = who.rank, who.world_size, who.local_rank
         self._cursor = RankCursor()
