@@ -360,7 +360,7 @@ class Supervisor:
             phase = self.ranks.coord.phase
             if phase in ("running", "checkpointed"):
                 return None
-            return f"the job's main process exited while the job was {phase}"
+            return f"the job's main process (its launcher) ended while the job was {phase}; its ranks were killed"
 
     def _kill_rank_processes(self) -> int:
         with self.lock:
@@ -488,8 +488,9 @@ class Supervisor:
         sig = -rc if rc < 0 else None
         error = None
         if ended is not None:
-            how = f"killed by signal {sig}" if sig else f"exited with code {rc}"
-            error = f"{ended} (its main process {how})"
+            how = f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else \
+                f"signal {sig}" if sig else f"code {rc}"
+            error = f"{ended} (main process: {how})"
         with self.lock:
             self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": error,
                                    "time": time.time()}
