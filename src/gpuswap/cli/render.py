@@ -67,7 +67,8 @@ def state_text(j: dict[str, Any]) -> str:
         where = {"ram": "in RAM", "disk": "on disk"}.get(j.get("parked") or "", "?")
         how = ", frozen by the driver" if j.get("mechanism") == "transparent" else ""
         stays = f"; {residue_text(j)}" if j.get("residue") else ""
-        return f"PAUSED (parked {where}, {format_size(j.get('parked_bytes') or 0)}{how}{stays})"
+        ranks = f"{len(j['ranks'])} ranks, " if len(j.get("ranks") or []) > 1 else ""
+        return f"PAUSED (parked {where}, {ranks}{format_size(j.get('parked_bytes') or 0)}{how}{stays})"
     if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
         return f"{j['state']} ({j['exit_code']})"
     return j["state"]
@@ -79,6 +80,16 @@ def reason_text(j: dict[str, Any]) -> str:
     if j.get("pending_reason"):
         return f"{j['pending_reason']}: {j.get('pending_reason_text') or ''}".rstrip(": ")
     return j.get("reason") or ""
+
+
+def rank_rows(j: dict[str, Any]) -> list[tuple[str, str]]:
+    """A multi-rank job's ranks, one row each: 'rank 1', 'parked, pid 4242, 21.1 KiB on its GPU'."""
+    rows = []
+    for r in j.get("ranks") or []:
+        where = "" if r.get("connected") else ", disconnected"
+        rows.append((f"rank {r.get('rank')}", f"{r.get('state')}, pid {r.get('pid') or '-'}{where}, "
+                                              f"{format_size(r.get('device_bytes') or 0)} on its GPU"))
+    return rows
 
 
 def gpu_list(j: dict[str, Any]) -> str:
@@ -115,6 +126,7 @@ def job_detail(j: dict[str, Any]) -> None:
         ("memory", f"declared {format_size(j['mem_bytes'])}; reported {format_size(j['device_bytes'])}"),
         ("parked", (f"{j['parked']} ({format_size(j['parked_bytes'])})" if j.get("parked") else "-")
          + (f"; {residue_text(j)} (CUDA context and memory not attached)" if j.get("residue") else "")),
+        *rank_rows(j),
         ("exit code", "-" if j.get("exit_code") is None else str(j["exit_code"])),
         ("service", f"{duration(j['run_s'])} running, {duration(j['switch_s'])} switching, "
                     f"{j['preemptions']} preemption(s)"),

@@ -174,7 +174,7 @@ def serve(opts: ServerOptions) -> None:
         tighten_jobs(home, lambda job_id: _owner(store, job_id))
     except OSError as e:
         raise DaemonError(f"cannot make the job files in {home / 'jobs'} private: {e}") from None
-    launcher = Launcher(home, simulated=gpus.simulated)
+    launcher = Launcher(home, simulated=gpus.simulated, pause_timeout_s=opts.pause_timeout_s)
     driver = checkpoint_driver(home, gpus)
     bandwidths = Bandwidths(store)   # what earlier runs learned from real moves, reloaded
     # Calibration takes a second or so of disk I/O (and pinned copies on a real GPU): serve

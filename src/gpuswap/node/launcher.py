@@ -68,9 +68,10 @@ class Observation:
 
 
 class Launcher:
-    def __init__(self, home: Path, simulated: bool):
+    def __init__(self, home: Path, simulated: bool, pause_timeout_s: float = 60.0):
         self.home = home
         self.simulated = simulated
+        self.pause_timeout_s = pause_timeout_s   # a multi-rank job's supervisor bounds each phase by it
         self._children: list[subprocess.Popen] = []
 
     def job_dir(self, job_id: int) -> Path:
@@ -121,6 +122,7 @@ class Launcher:
             "extra_env": extra_env, "uid": job.uid, "gid": job.gid,
             "groups": groups, "log_path": str(log),
             "control": self.control_address(job.id, generation),
+            "pause_timeout_s": self.pause_timeout_s,
         })
         make_file(run / "supervisor.err", 0o600)
         with open(run / "supervisor.err", "ab") as err:

@@ -61,6 +61,16 @@ Text = Annotated[str, BeforeValidator(_cut), Field(strict=True)]
 Note = Annotated[str, BeforeValidator(_cut_note), Field(strict=True)]
 FsPath = Annotated[str, Field(strict=True, max_length=MAX_PATH)]
 TierName = Literal["ram", "disk"]
+MAX_WORLD = 1024           # ranks of one job (runtime/ranks.py refuses more the same way)
+MAX_EPOCH = 2**31          # pause attempts of one launch
+Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD)]
+WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD)]
+Epoch = Annotated[StrictInt, Field(ge=0, le=MAX_EPOCH)]
+Tick = Annotated[StrictInt, Field(ge=0, le=MAX_STEP)]   # safepoint calls since attach
+# Where a rank's cursor stands (runtime/rankcursor.py), said again in `hello` after a reconnect.
+CursorPhase = Literal["running", "asked", "holding", "ready", "parked", "unparked", "written"]
+# A rank as the coordinator lists it (runtime/agreement_state.py, RankState.state).
+RankStateName = Literal["running", "holding", "ready", "parked", "unparked", "written", "done", "gone"]
 
 
 class _Msg(BaseModel):
@@ -76,6 +86,13 @@ class Hello(_Msg):
     restored_bytes: Optional[Bytes] = None
     restore_s: Optional[Seconds] = None
     restore_note: Optional[Note] = None     # which checkpoint was used instead of a bad newer one, and why
+    # A rank of a multi-rank job (world_size > 1 switches the launch to the coordinator):
+    rank: Optional[Rank] = None
+    world_size: Optional[WorldSize] = None
+    local_rank: Optional[Rank] = None
+    epoch: Optional[Epoch] = None           # the attempt its cursor is in, if any
+    state: Optional[CursorPhase] = None
+    ram_refusal: Optional[Text] = None      # why it cannot rebuild its process group in place
 
 
 class Usage(_Msg):
@@ -86,6 +103,7 @@ class Usage(_Msg):
 
 class Paused(_Msg):
     op: Literal["paused"]
+    epoch: Optional[Epoch] = None       # multi-rank: the attempt (also on resumed, error)
     tier: Optional[TierName] = None
     bytes: Bytes = 0
     seconds: Optional[Seconds] = None
@@ -94,6 +112,7 @@ class Paused(_Msg):
 
 class Resumed(_Msg):
     op: Literal["resumed"]
+    epoch: Optional[Epoch] = None
     bytes: Optional[Bytes] = None
     seconds: Optional[Seconds] = None
 
@@ -109,6 +128,7 @@ class Checkpointed(_Msg):
 
 class Error(_Msg):
     op: Literal["error"]
+    epoch: Optional[Epoch] = None
     message: Text = ""
 
 
@@ -118,8 +138,46 @@ class RestoreFailed(_Msg):
     message: Note = "no usable checkpoint"
 
 
-Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error, RestoreFailed]
-OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error", "restore_failed"})
+# The common-step agreement of a multi-rank job (runtime/agreement.py reads exactly these fields).
+class Mark(_Msg):
+    """The reader thread saw `pause`: the tick of its last safepoint."""
+    op: Literal["mark"]
+    epoch: Epoch
+    seen: Tick
+
+
+class Hold(_Msg):
+    """The training thread stopped at a flagged safepoint before a target was known."""
+    op: Literal["hold"]
+    epoch: Epoch
+    tick: Tick
+
+
+class Ready(_Msg):
+    op: Literal["ready"]
+    epoch: Epoch
+    tick: Tick
+    step: Step = None
+
+
+class Unparked(_Msg):
+    op: Literal["unparked"]
+    epoch: Epoch
+    bytes: Optional[Bytes] = None
+    seconds: Optional[Seconds] = None
+
+
+class Done(_Msg):
+    """The rank finished training (close or exit): the job is no longer pausable."""
+    op: Literal["done"]
+    step: Step = None
+
+
+Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error, RestoreFailed, Mark, Hold, Ready, Unparked,
+                Done]
+OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error", "restore_failed",
+                 "mark", "hold", "ready", "unparked", "done"})
+RANK_OPS = frozenset({"usage", "paused", "resumed", "error", "mark", "hold", "ready", "unparked", "done"})
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="op")])
 
 
@@ -138,6 +196,19 @@ def parse(line: bytes) -> Message:
         raise BadMessage(f"{where + ': ' if where else ''}{err['msg']}"[:200]) from None
 
 
+class RankFact(BaseModel):
+    """One rank as status.json lists it (the coordinator's record; `show` prints it)."""
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    rank: Rank
+    pid: Optional[Pid] = None
+    connected: StrictBool = False
+    state: RankStateName = "running"
+    tick: Optional[Tick] = None
+    step: Step = None
+    device_bytes: Bytes = 0
+    ram_refusal: Optional[Text] = None
+
+
 # The runtime facts the supervisor keeps in status.json["runtime"], as the daemon may use them.
 _FACTS: dict[str, TypeAdapter[Any]] = {
     name: TypeAdapter(kind) for name, kind in {
@@ -148,6 +219,8 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
         "restore_note": Optional[Note], "restore_failed": Note, "ckpt_note": Optional[Text],
+        "world_size": Optional[WorldSize], "phase": Optional[Text], "not_pausable": Optional[Text],
+        "ranks": Annotated[list[RankFact], Field(max_length=MAX_WORLD)],
     }.items()
 }
 
@@ -160,7 +233,8 @@ def runtime_facts(raw: Any) -> dict[str, Any]:
     for name, adapter in _FACTS.items():
         if name in raw:
             try:
-                out[name] = adapter.validate_python(raw[name], strict=None)
+                value = adapter.validate_python(raw[name], strict=None)
+                out[name] = [r.model_dump() for r in value] if name == "ranks" else value
             except ValidationError:
                 pass
     return out
@@ -177,6 +251,19 @@ def exit_facts(raw: Any) -> Optional[dict[str, Any]]:
         "error": error[:MAX_TEXT] if isinstance(error, str) and error else None,
         "time": raw.get("time") if isinstance(raw.get("time"), (int, float)) else None,
     }
+
+
+def rank_pids(raw: Any) -> list[tuple[int, Optional[int]]]:
+    """status.json's `rank_pids` (the processes of a multi-rank job's ranks, by the kernel's
+    SO_PEERCRED pid, with their start ticks): (pid, start ticks) for each valid entry."""
+    out: list[tuple[int, Optional[int]]] = []
+    for r in raw[:MAX_WORLD * 4] if isinstance(raw, list) else []:
+        if not isinstance(r, dict) or pid_or_none(r.get("pid")) is None:
+            continue
+        ticks = r.get("start_ticks")
+        ok = isinstance(ticks, int) and not isinstance(ticks, bool) and 0 <= ticks < 2**63
+        out.append((r["pid"], ticks if ok else None))
+    return out
 
 
 def pid_or_none(v: Any) -> Optional[int]:

@@ -13,7 +13,7 @@ from typing import Any
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.freezer import ATTACH_GRACE_S, Freezer
-from gpuswap.node import residue, sessions
+from gpuswap.node import messages, residue, sessions
 from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
 from gpuswap.node.store import JobRecord, Store
 
@@ -78,6 +78,10 @@ class Observer:
             changes["device_bytes"] = dev
         if rt.get("step") is not None and rt.get("step") != job.step:
             changes["step"] = rt["step"]
+        if "ranks" in rt:       # a multi-rank job: its ranks and their states, for `show` and `ls`
+            ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
+            if ranks != job.ranks:
+                changes["ranks"] = ranks
         if changes:
             self.store.update(job.id, now, **changes)
 
@@ -115,7 +119,10 @@ class Observer:
         # nothing clears it, so the promise in the event below holds.
         why = ("no gpuswap runtime attached" if not rt.get("attached")
                else f"no safepoint reached within {self.pause_timeout_s:g} s")
-        if self.no_runtime == "sigstop":
+        multi = (rt.get("world_size") or 1) > 1
+        if multi and rt.get("not_pausable"):
+            why = str(rt["not_pausable"])          # "1 of 2 ranks attached", "rank 1 finished training"
+        if self.no_runtime == "sigstop" and not multi:   # a multi-rank job's ranks are not in its session
             self.store.update(job.id, now, stopped=True, no_runtime=True, desired="running", reason=why)
         else:
             self.store.update(job.id, now, state=JobState.RUNNING, no_runtime=True, hold=False,
@@ -150,8 +157,10 @@ class Observer:
         end the job (freeing its GPUs and RAM) only once none of its processes is left."""
         status = obs.status or {}
         pid = status.get("job_pid")
+        # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
+        ranks = messages.rank_pids(status.get("rank_pids"))
         if isinstance(pid, int) and pid > 1:
-            if sessions.kill(pid, status.get("job_start_ticks")):
+            if sessions.kill(pid, status.get("job_start_ticks")) + sessions.kill_pids(ranks):
                 if job.id not in self._killing:
                     self._killing.add(job.id)
                     log.warning("job %d: its supervisor died; killing the processes of its session %d",

@@ -71,3 +71,27 @@ def kill(sid: int, started: Optional[int] = None) -> int:
         finally:
             os.close(fd)
     return left
+
+
+def kill_pids(records: list[tuple[int, Optional[int]]]) -> int:
+    """SIGKILL each (pid, start ticks) process that is still that process: the ranks of a multi-rank
+    job, which torchrun starts as session leaders of their own, outside the job's session.
+    Returns how many were still alive (0: none left). A pid that now names a process started at
+    another time, or a zombie, is left alone."""
+    left = 0
+    for pid, started in records:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            st = _stat(pid)               # checked after the pidfd pins the process
+            if st is None or st[0] in ("Z", "X") or (started is not None and st[2] != started):
+                continue
+            left += 1
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+    return left

@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     abort_reason TEXT,
     ram_allowance INTEGER,
     residue TEXT NOT NULL DEFAULT '{}',
+    ranks TEXT NOT NULL DEFAULT '[]',
     version INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
@@ -115,10 +116,10 @@ CREATE TABLE IF NOT EXISTS tokens (
 );
 """
 
-_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue"}
+_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
 # Columns `jobs` gained after databases were already written: a database of an earlier version
 # gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
-_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"),)
+_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"))
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
@@ -176,6 +177,9 @@ class JobRecord:
     # GPU -> bytes its processes still held there when its last cooperative RAM park completed
     # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
     residue: dict[int, int]
+    # A multi-rank job's ranks as its supervisor last listed them ([] for a single-rank job):
+    # [{"rank", "pid", "state", "connected", "device_bytes"}] (node/ranks.py), for `show` and `ls`.
+    ranks: list[dict[str, Any]]
     version: int             # store-wide change counter at this row's last write
 
     @property

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
 from gpuswap.node import execshim, messages, sessions
+from gpuswap.node.ranks import RankTable
 from gpuswap.runtime import channel
 
 CANCEL_GRACE_S = 10.0
@@ -45,10 +46,15 @@ USAGE_WRITE_S = 0.5   # usage reports reach status.json at most this often: each
                       # and a job may send thousands of valid reports a second
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the peer, as the kernel recorded them at connect (not the job's word)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_cred(sock)[1]
 
 
 class Supervisor:
@@ -76,6 +82,11 @@ class Supervisor:
         self._unsaved = False         # status changed (or a write failed) and is not on disk yet
         self._written_at = 0.0        # monotonic time of the last status.json write
         self._write_failed = False    # said once in supervisor.log until a write succeeds again
+        # A multi-rank job (its first hello says world_size > 1): the ranks' connections and the
+        # common-step coordinator (node/ranks.py); None for a single-rank job, which keeps `conn`.
+        self.ranks: Optional[RankTable] = None
+        self.kill_reason: Optional[str] = None
+        self.pause_timeout_s = float(self.spec.get("pause_timeout_s") or 60.0)
 
     # -- status -----------------------------------------------------------------------------
     def write_status(self) -> bool:
@@ -202,12 +213,13 @@ class Supervisor:
         allowed = {0, os.geteuid(), self.spec["uid"]}
         while True:
             conn, _ = srv.accept()
-            if peer_uid(conn) not in allowed:
+            pid, uid = peer_cred(conn)
+            if uid not in allowed:
                 conn.close()
                 continue
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._read, args=(conn, pid), daemon=True).start()
 
-    def _read(self, conn: socket.socket) -> None:
+    def _read(self, conn: socket.socket, peer_pid: Optional[int] = None) -> None:
         """Serve one connection. Every line is validated (messages.py): a bad one is ignored and
         counted, and a connection that sends MAX_BAD of them is closed with one log line."""
         bad = 0
@@ -231,7 +243,8 @@ class Supervisor:
                         self._log_limited(f"closed a control connection after {bad} invalid messages")
                         break
                     continue
-                self.on_message(conn, msg)
+                if not self.on_message(conn, msg, peer_pid):
+                    break
         except OSError:
             pass
         conn.close()
@@ -239,6 +252,9 @@ class Supervisor:
             if self.conn is conn:
                 self.conn = None
                 self.status["runtime"]["connected"] = False
+            if self.ranks is not None:
+                self.ranks.lost(conn, time.time())
+                self._rank_facts()
         self.write_status()
 
     def _log_limited(self, text: str) -> None:
@@ -247,7 +263,10 @@ class Supervisor:
         if self._complaints <= MAX_COMPLAINTS:
             self.log(text + (" (no more such lines)" if self._complaints == MAX_COMPLAINTS else ""))
 
-    def on_message(self, conn: socket.socket, msg: messages.Message) -> None:
+    def on_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int] = None) -> bool:
+        """Fold one message into status and reconcile; False: close this connection."""
+        if self.ranks is not None or (isinstance(msg, messages.Hello) and (msg.world_size or 1) > 1):
+            return self._on_rank_message(conn, msg, peer_pid)
         with self.lock:
             rt = self.status["runtime"]
             if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
@@ -265,7 +284,7 @@ class Supervisor:
                 rt.update(device_bytes=msg.device_bytes, step=msg.step)
                 self._unsaved = True      # folded into the next write (USAGE_WRITE_S): nothing to reconcile
                 if not self._write_due():
-                    return
+                    return True
             elif isinstance(msg, messages.Paused):
                 rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
                           step=msg.step, pause_s=msg.seconds, device_bytes=0)
@@ -285,10 +304,76 @@ class Supervisor:
                 # daemon sees the error and changes what it wants.
                 rt.update(error=msg.message, error_at=time.time())
             else:
-                return
+                return True
         self.write_status()
         self.reconcile()
+        return True
 
+    # -- multi-rank jobs ---------------------------------------------------------------------
+    def _on_rank_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int]) -> bool:
+        now = time.time()
+        with self.lock:
+            if self.ranks is None:
+                self.ranks = RankTable(self.pause_timeout_s, self._kill_ranks, self.log)
+                self.log(f"multi-rank job: {msg.world_size if isinstance(msg, messages.Hello) else '?'} ranks")
+            if isinstance(msg, messages.Hello):
+                if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now):
+                    self._log_limited(f"refused a control connection (pid {peer_pid}): rank {msg.rank} of "
+                                      f"{msg.world_size or 1} in a job of {self.ranks.coord.world_size} ranks, "
+                                      "or a rank already connected")
+                    self._rank_facts()
+                    return False
+                self.ranks.want(self.desired, now)
+            elif isinstance(msg, messages.Usage):
+                self.ranks.receive(conn, msg, now)
+                self._unsaved = True
+                if not self._write_due():
+                    return True
+            elif isinstance(msg, messages.RestoreFailed):
+                self.status["runtime"]["restore_failed"] = msg.message
+            else:
+                self.ranks.receive(conn, msg, now)
+            self._rank_facts()
+        self.write_status()
+        return True
+
+    def _rank_facts(self) -> None:
+        """status.json from the coordinator (under the lock): the job's facts, and the ranks'
+        processes, which the daemon kills if this supervisor dies."""
+        assert self.ranks is not None
+        old = self.status["runtime"]
+        rt = self.ranks.facts()
+        for keep in ("rejected", "restore_failed"):
+            if keep in old:
+                rt[keep] = old[keep]
+        self.status["runtime"] = rt
+        self.status["rank_pids"] = self.ranks.pid_records()
+
+    def _ranks_verdict(self) -> Optional[str]:
+        """Why a multi-rank job's end is a failure whatever its exit code: the coordinator ended
+        it, or its main process (the launcher) exited while the job was parked or mid-pause."""
+        with self.lock:
+            if self.ranks is None:
+                return None
+            if self.kill_reason is not None:
+                return self.kill_reason
+            phase = self.ranks.coord.phase
+            if phase in ("running", "checkpointed"):
+                return None
+            return f"the job's main process (its launcher) ended while the job was {phase}; its ranks were killed"
+
+    def _kill_rank_processes(self) -> int:
+        with self.lock:
+            return self.ranks.kill_all() if self.ranks is not None else 0
+
+    def _kill_ranks(self, reason: str) -> None:
+        """The coordinator's `Kill`: the job cannot go on. The launcher's process group gets SIGTERM
+        (torchrun forwards it), every rank process SIGKILL: they are outside our session."""
+        if self.kill_reason is None:
+            self.kill_reason = reason
+        self.signal_group(signal.SIGTERM)
+        if self.ranks is not None:
+            self.ranks.kill_all()
     def send(self, msg: dict[str, Any]) -> bool:
         conn = self.conn
         if conn is None:
@@ -332,6 +417,19 @@ class Supervisor:
                 self.log(f"{'SIGSTOP' if want_stop else 'SIGCONT'} sent to the job's process group")
                 self.status["stopped"] = want_stop
                 changed = True
+            if self.ranks is not None:    # the coordinator answers the daemon for every rank
+                now = time.time()
+                before = self.ranks.facts()
+                self.ranks.want(d, now)
+                self.ranks.poll(now)
+                if self.ranks.facts() != before:
+                    self._rank_facts()
+                    changed = True
+        if self.ranks is not None:
+            if changed:
+                self.write_status()
+            return
+        with self.lock:
             rt = self.status["runtime"]
             state = rt.get("state")
             request: Optional[tuple[str, Optional[str]]] = None
@@ -381,12 +479,20 @@ class Supervisor:
             self.reconcile()
             if self._write_due():
                 self.write_status()
-        while sessions.kill(pid, self.status.get("job_start_ticks")):
-            time.sleep(POLL_S)     # until none is left: its GPUs are free only then
+        ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
+        # Until none is left, in its session or among its ranks (torchrun's workers lead sessions of
+        # their own): its GPUs are free only then.
+        while sessions.kill(pid, self.status.get("job_start_ticks")) + self._kill_rank_processes():
+            time.sleep(POLL_S)
         rc = self.child.wait()
         sig = -rc if rc < 0 else None
+        error = None
+        if ended is not None:
+            how = f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else \
+                f"signal {sig}" if sig else f"code {rc}"
+            error = f"{ended} (main process: {how})"
         with self.lock:
-            self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": None,
+            self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": error,
                                    "time": time.time()}
             self.status["runtime"]["connected"] = False
         while not self.write_status():   # the exit status must land; wait for room on the disk

@@ -24,6 +24,12 @@ runtime -> supervisor
       # became a disk park (over the RAM budget, or a CUDA graph that pins device addresses)
   {"op": "error", "message": str}                                  # a park failed; job runs on
 
+A rank of a multi-rank job (world_size > 1) adds to its hello "rank", "world_size", "local_rank",
+"epoch", "state" (where its cursor stands) and "ram_refusal", and then speaks the common-step
+agreement of runtime/agreement.py instead of the single-rank pause/resume above: it sends mark,
+hold, ready, paused, unparked, resumed, error (each with the attempt's "epoch") and done; it
+receives pause, target, park, resume, regroup, release (node/messages.py validates each).
+
 supervisor -> runtime
   {"op": "pause", "tier": "ram"|"disk", "max_bytes": int?}
       # max_bytes (ram only): what the host-RAM budget has left; a job holding more parks to

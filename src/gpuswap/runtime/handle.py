@@ -317,11 +317,23 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
         if config is None:
             return NullJob(plain)
     global _active
-    job = Job(items, config)
-    if config.ckpt_dir:
-        from gpuswap.runtime import pausing
+    who = None
+    if config.control and not config.slurm:
+        from gpuswap.runtime import ranks
 
-        pausing.restore_latest(job)
+        who = ranks.identity()
+    if who is not None and who.world_size > 1:     # a rank of a multi-rank job (runtime/ranks.py)
+        job: Job = ranks.RankJob(items, config, who)
+        ranks.restore_ranks(job)
+        import atexit
+
+        atexit.register(job.close)
+    else:
+        job = Job(items, config)
+        if config.ckpt_dir:
+            from gpuswap.runtime import pausing
+
+            pausing.restore_latest(job)
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given
     job._measure()  # what `hello` reports: the reader thread must not walk the tensors itself

@@ -20,7 +20,8 @@ users see ~0.5-0.8 GB per process in nvidia-smi before allocating anything (pyto
 781 MB), more once cuBLAS/cuDNN/NCCL have initialized. The default, 512 MiB, is in that range;
 tests choose theirs with GPUSWAP_SIM_CONTEXT_BYTES (read only on simulated GPUs).
 
-One registration per process, on its first visible GPU (simcuda's model: one GPU per process), so
+One registration per process, on its first visible GPU (simcuda's model: one GPU per process; a
+rank of a multi-rank job on visible GPU LOCAL_RANK, `bind`), so
 a simulated job that spreads tensors over several GPUs shows its floor on the first one only.
 Training thread only (as every walk of the attached tensors): no lock is needed.
 """
@@ -36,6 +37,16 @@ DEFAULT_CONTEXT_BYTES = 512 * 2**20
 _registered: Optional[int] = None       # bytes last registered by this process (None: not yet)
 _pid: Optional[int] = None              # ... and by which process (a fork is a process of its own)
 _floor: Optional[int] = None            # context_bytes(), read once
+_device = 0                             # ordinal within CUDA_VISIBLE_DEVICES (a rank's LOCAL_RANK)
+
+
+def bind(device: int) -> None:
+    """Register on visible device `device` instead of the first: a rank of a multi-rank job uses
+    cuda:LOCAL_RANK, as torchrun scripts do, so its context floor sits on its own GPU."""
+    global _device, _registered
+    visible = len(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(","))
+    if device != _device and 0 <= device < visible:     # more ranks than GPUs: they share the first
+        _device, _registered = device, None
 
 
 def context_bytes(env: Mapping[str, str] = os.environ) -> int:
@@ -73,7 +84,7 @@ def hold(attached_bytes: int, simulated: bool) -> None:
     if total == _registered and _pid == os.getpid():
         return
     try:
-        simcuda.allocate(total)
+        simcuda.allocate(total, device=_device)
     except (OSError, ValueError, IndexError) as exc:   # a bad CUDA_VISIBLE_DEVICES, a full disk
         print(f"gpuswap: could not register with the simulated GPU: {exc}", file=sys.stderr, flush=True)
         return

@@ -1,0 +1,150 @@
+"""A rank's process group around a multi-rank RAM park: tear it down, make it again, rebind.
+
+Why: NCCL's communicators hold device memory that only destroying the group gives back
+(`destroy_process_group` calls `shutdown()` on every group, pytorch#111392), and a group cannot be
+kept across a park anyway once a peer has destroyed its end. So at the common step every rank
+destroys every group, and at resume creates the default group again with the same rank, world
+size, backend (and bound device for NCCL) on the *kept* rendezvous store under a fresh prefix
+(a second init under the old keys could read the first init's stale entries), then points what
+cached the old group at the new one: DDP's reducer, a ZeroRedundancyOptimizer, FSDP2's mesh
+infos. docs/design/multi-rank.md section 3 has the sources; tests/multirank proves it on gloo.
+
+What cannot be rebound (FSDP1, groups of the script's own) is a *refusal*: the rank says so in
+`hello` and the park is refused (or, once the disk tier is built, goes to disk) with the reason.
+
+Replaced groups are never released here (`graveyard`): dropping the last reference to a gloo
+group right after its last collective can deadlock its destructor against the GIL
+(pytorch/pytorch#56297); a destroyed NCCL group has already freed its communicators.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any, Iterable, Optional
+
+from gpuswap.runtime.objects import Attached
+
+
+def _dist() -> Any:
+    """torch.distributed if the job uses it (never imported by us: a job that did not is single-rank)."""
+    torch = sys.modules.get("torch")
+    if torch is None or "torch.distributed" not in sys.modules:
+        return None
+    dist = torch.distributed
+    return dist if dist.is_available() else None
+
+
+def _holders(items: Iterable[Attached]) -> list[Any]:
+    """Every object that may cache a process group: the attached ones, their submodules and, since
+    a script may attach the inner module of its DDP wrapper, every live DDP/ZeRO/FSDP object."""
+    found: dict[int, Any] = {}
+    for it in items:
+        found[id(it.obj)] = it.obj
+        modules = getattr(it.obj, "modules", None)
+        if it.kind == "module" and callable(modules):
+            for m in modules():
+                found.setdefault(id(m), m)
+    kinds = _kinds()
+    if kinds:
+        for obj in gc.get_objects():
+            if issubclass(type(obj), kinds):    # type(): no attribute access on odd objects
+                found.setdefault(id(obj), obj)
+    return list(found.values())
+
+
+def _kinds() -> tuple[type, ...]:
+    out: list[type] = []
+    for mod, name in (("torch.nn.parallel", "DistributedDataParallel"),
+                      ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
+                      ("torch.distributed.fsdp", "FSDPModule"),
+                      ("torch.distributed.fsdp", "FullyShardedDataParallel")):
+        m = sys.modules.get(mod)
+        cls = getattr(m, name, None) if m is not None else None
+        if isinstance(cls, type):
+            out.append(cls)
+    return tuple(out)
+
+
+def _is(obj: Any, mod: str, name: str) -> bool:
+    m = sys.modules.get(mod)
+    cls = getattr(m, name, None) if m is not None else None
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
+class Regroup:
+    """One rank's group state across parks. Training thread only."""
+
+    def __init__(self, items: list[Attached]) -> None:
+        self.items = items
+        self.graveyard: list[Any] = []     # replaced groups, kept alive (module docstring)
+        self.torn = False                  # destroyed by us and not made again yet
+        self._store: Any = None
+        self._init: dict[str, Any] = {}
+
+    def refusal(self) -> Optional[str]:
+        """Why this rank's groups cannot be rebuilt in place (None: they can, or there is none)."""
+        dist = _dist()
+        if dist is None or not dist.is_initialized():
+            return None
+        holders = _holders(self.items)
+        if any(_is(h, "torch.distributed.fsdp", "FullyShardedDataParallel") for h in holders):
+            return "an FSDP1 module (FullyShardedDataParallel) cannot be rebound to a new process group"
+        world = dist.group.WORLD
+        others = [pg for pg in list(dist.distributed_c10d._world.pg_map) if pg is not world]
+        if others:
+            return (f"{len(others)} process group(s) besides the default one (new_group or a "
+                    "multi-dimensional DeviceMesh) cannot be re-created in place")
+        return None
+
+    def teardown(self) -> None:
+        """Keep the rendezvous store, remember how the group was made, destroy every group."""
+        dist = _dist()
+        if dist is None or not dist.is_initialized():
+            return
+        c10d = dist.distributed_c10d
+        world = dist.group.WORLD
+        self._store = c10d._get_default_store()     # also keeps rank 0's TCPStore server alive
+        self._init = {"backend": dist.get_backend(), "rank": dist.get_rank(),
+                      "world_size": dist.get_world_size()}
+        device = getattr(world, "bound_device_id", None)
+        if device is not None:
+            self._init["device_id"] = device          # NCCL's eager init on the same GPU
+        self.graveyard.extend(list(c10d._world.pg_map))
+        dist.destroy_process_group()
+        self.torn = True
+
+    def rebuild(self, epoch: int) -> None:
+        """Create the default group again (a collective: every rank calls it) and rebind."""
+        dist = _dist()
+        if dist is None or not self.torn:
+            return
+        dist.init_process_group(store=dist.PrefixStore(f"gpuswap/{epoch}/", self._store), **self._init)
+        self.torn = False
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Point everything that cached the old default group at the new one."""
+        dist = _dist()
+        if dist is None or not dist.is_initialized():
+            return
+        world = dist.group.WORLD
+        for h in _holders(self.items):
+            if _is(h, "torch.nn.parallel", "DistributedDataParallel"):
+                h._update_process_group(world)
+            elif _is(h, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
+                h.process_group = world
+            elif _is(h, "torch.distributed.fsdp", "FSDPModule"):
+                _rebind_fsdp2(h)
+
+
+def _rebind_fsdp2(module: Any) -> None:
+    """FSDP2's mesh resolves groups by name (the same after a rebuild in the same order), but its
+    param group's mesh infos cache the group objects (_fsdp_common.py, FSDPMeshInfo)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return
+    for info in (group.mesh_info, group.post_forward_mesh_info):
+        if info is not None and hasattr(info, "shard_process_group"):
+            info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+            if getattr(info, "reduce_scatter_process_group", None) is not None:
+                info.reduce_scatter_process_group = info.shard_process_group
