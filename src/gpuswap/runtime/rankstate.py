@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from gpuswap.runtime import ckparts, objects, rng
+from gpuswap.runtime import ckparts, ddpbuckets, objects, rng
 from gpuswap.runtime.checkpoint import CheckpointError
 from gpuswap.runtime.objects import Attached
 
@@ -60,6 +60,16 @@ def _zero_class() -> Any:
     if "torch.distributed.optim" not in sys.modules:
         return None
     return getattr(sys.modules["torch.distributed.optim"], "ZeroRedundancyOptimizer", None)
+
+
+def ddp_wrappers(objs: Iterable[Any]) -> list[Any]:
+    """The DistributedDataParallel wrappers among `objs`, in order, each once."""
+    ddp = _ddp_class()
+    seen: dict[int, Any] = {}
+    for o in objs if ddp is not None else ():
+        if isinstance(o, ddp):
+            seen.setdefault(id(o), o)
+    return list(seen.values())
 
 
 def replicated_sets(objs: Iterable[Any]) -> list[set[int]]:
@@ -151,8 +161,10 @@ def part_payload(items: list[Attached], user_state: dict[str, Any], *, rank: int
     """The dict `ckparts.write_part` saves for this rank. `to_host(t)` is the single-rank
     snapshot's (a view of the parked host copy, or a CPU copy)."""
     shared, own = split(items, rank, to_host, related)
+    ddps = ddp_wrappers([a.obj for a in items] + list(related))
     return {"format": ckparts.FORMAT, "rank": int(rank), "world_size": int(world_size),
             "step": int(step), "tick": tick, "job_id": job_id, "shared": shared, "own": own,
+            "ddp_buckets": [ddpbuckets.layout(d) for d in ddps],
             "user_state": objects.map_tensors(user_state, _host_fn(to_host)), "rng": rng.capture()}
 
 
@@ -203,11 +215,23 @@ def _template(a: Attached) -> Callable[[tuple], Any]:
     return lambda path: None
 
 
-def restore(items: list[Attached], own_part: dict[str, Any], shared_part: dict[str, Any]) -> list[str]:
+def restore(items: list[Attached], own_part: dict[str, Any], shared_part: dict[str, Any],
+            related: Iterable[Any] = ()) -> list[str]:
     """Load a chosen checkpoint into the attached objects in place: shared state from rank 0's
-    part, everything else from this rank's own. Returns warnings (names not in the checkpoint).
+    part, everything else from this rank's own; give each DDP wrapper the bucket layout it had
+    (ddpbuckets.py: bitwise with 3+ ranks). Call before the first forward. Returns warnings.
     Global RNGs are restored too; `job.state` is the caller's (`own_part["user_state"]`)."""
     warnings: list[str] = []
+    ddps = ddp_wrappers([a.obj for a in items] + list(related))
+    saved_buckets = own_part.get("ddp_buckets") or []
+    for n, ddp in enumerate(ddps):
+        buckets = saved_buckets[n] if n < len(saved_buckets) else None
+        why = (ddpbuckets.apply(ddp, buckets) if buckets is not None else
+               "the checkpoint was written before DDP rebuilt its buckets: the first step after the "
+               "restore uses DDP's initial buckets")
+        if why is not None and ddp.process_group.size() > 2:
+            warnings.append(f"{why} (with {ddp.process_group.size()} ranks its last bits may differ "
+                            "from an uninterrupted run)")
     saved_own, saved_shared = own_part.get("own") or {}, shared_part.get("shared") or {}
     merged: dict[str, dict[str, Any]] = {}
     for a in items:
@@ -260,7 +284,8 @@ class Restored:
 
 
 def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attached],
-                   user_state: dict[str, Any], rank: int, world_size: int) -> Restored:
+                   user_state: dict[str, Any], rank: int, world_size: int,
+                   related: Iterable[Any] = ()) -> Restored:
     """At attach, on every rank of a multi-rank job: restore the newest usable checkpoint in
     place (its own part, and rank 0's shared state), and `user_state` (job.state) from its own
     part. No usable checkpoint and no restart asked for: tell the supervisor why
@@ -282,7 +307,7 @@ def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attach
         print(f"gpuswap: {note}", file=sys.stderr, flush=True)
     if chosen is None:
         return Restored(note=note)
-    warnings = restore(items, chosen.own, chosen.shared)
+    warnings = restore(items, chosen.own, chosen.shared, related)
     user_state.clear()
     user_state.update(chosen.own.get("user_state") or {})
     for w in warnings:
