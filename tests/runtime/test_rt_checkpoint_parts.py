@@ -279,3 +279,41 @@ def test_zero_optimizer_saves_its_local_shard(one_rank_group, tmp_path):
     got = zero2.optim.state_dict()["state"][0]
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert zero2.param_groups[0]["lr"] == 0.5 and zero2.optim.param_groups[0]["lr"] == 0.5
+
+
+def _buckets_of(ddp) -> list[list[int]]:
+    index = {id(p): i for i, p in enumerate(ddp._build_params_for_reducer()[0])}
+    return [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+class _Unordered(torch.nn.Module):
+    """Layers registered in another order than used: the rebuilt buckets differ from DDP's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out, self.inp, self.mid = torch.nn.Linear(48, 4), torch.nn.Linear(16, 48), torch.nn.Linear(48, 48)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+@pytest.mark.parametrize("iterations", [2, 3])   # 2: DDP logs the rebuilt layout one step late
+def test_ddp_bucket_layout_is_recorded_and_given_back(one_rank_group, iterations):
+    from gpuswap.runtime import ddpbuckets
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.parallel.DistributedDataParallel(_Unordered(), bucket_cap_mb=0.004)
+
+    ddp = net()
+    assert ddpbuckets.layout(ddp) is None                # nothing rebuilt before training
+    for _ in range(iterations):
+        ddp(torch.randn(4, 16)).sum().backward()
+    saved = ddpbuckets.layout(ddp)
+    assert saved == _buckets_of(ddp) and len(saved) == 2
+    fresh = net()
+    assert _buckets_of(fresh) != saved                   # one bucket, as DDP starts
+    assert ddpbuckets.apply(fresh, saved) is None
+    assert _buckets_of(fresh) == saved
+    fresh(torch.randn(4, 16)).sum().backward()           # the new Reducer reduces
+    assert all(p.grad is not None for p in fresh.parameters())

@@ -6,6 +6,10 @@ Layout (see docs/runtime.md)::
     ckpt-000007.json   manifest: sha256 and size of the payload; its presence commits the checkpoint
     .tmp-*             a write in progress (or one killed mid-way); ignored, removed by the next write
 
+Multi-rank jobs write `gpuswap-ckpt/2` (one part per rank and a manifest, runtime/ckparts.py) in
+the same directory; this module reads only format 1, skips format 2 with its world size as the
+reason, and prunes both.
+
 A checkpoint is written as: payload to a temp file in the same directory (sha256 computed while
 streaming), fsync, rename; manifest the same way; fsync the directory. A crash at any point leaves
 the previous complete checkpoint untouched, and readers only trust a payload whose manifest exists
