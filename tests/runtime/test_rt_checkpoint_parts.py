@@ -317,3 +317,16 @@ def test_ddp_bucket_layout_is_recorded_and_given_back(one_rank_group, iterations
     assert _buckets_of(fresh) == saved
     fresh(torch.randn(4, 16)).sum().backward()           # the new Reducer reduces
     assert all(p.grad is not None for p in fresh.parameters())
+
+
+def test_a_checkpoint_that_does_not_fit_ends_with_restore_failed(one_rank_group, tmp_path, capsys):
+    ddp, opt, sched, gen = _ddp_objects(0)
+    items = [classify("model", ddp), classify("optimizer", opt)]
+    payload = rankstate.part_payload(items, {}, rank=0, world_size=1, step=1, tick=1, job_id=None,
+                                     to_host=lambda t: t.detach().clone())
+    ckparts.write_manifest(tmp_path, [ckparts.write_part(tmp_path, payload)], step=1, tick=1, world_size=1)
+    other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 3))   # another model now
+    with pytest.raises(SystemExit) as ended:
+        rankstate.restore_latest(str(tmp_path), None, [classify("model", other)], {}, 0, 1)
+    assert ended.value.code == 1
+    assert "cannot resume: rank 0:" in capsys.readouterr().err

@@ -267,18 +267,3 @@ def choose(directory: str | os.PathLike | None, rank: int, world_size: int,
         return None, f"{why}; restarted from step 0 as {checkpoint.ENV_RESTART}=1 asks"
     raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {checkpoint.ENV_RESTART}=1 in "
                              "the job's environment to allow that)")
-
-
-def list_manifests(directory: str | os.PathLike) -> list[ManifestInfo]:
-    """Committed multi-rank checkpoints whose manifest reads, newest first. Unverified."""
-    d = Path(directory)
-    found = []
-    for e in d.iterdir() if d.is_dir() else ():
-        if _MANIFEST_NAME.match(e.name):
-            try:
-                raw = json.loads(e.read_text())
-                if isinstance(raw, dict) and raw.get("format") == FORMAT:
-                    found.append(read_manifest(raw))
-            except (OSError, ValueError, CheckpointError):
-                continue
-    return sorted(found, key=lambda i: i.seq, reverse=True)

@@ -295,7 +295,14 @@ def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attach
     t0 = time.perf_counter()
     try:
         chosen, note = ckparts.choose(ckpt_dir, rank, world_size)
-    except ckparts.NoUsableCheckpoint as exc:
+        if note:
+            print(f"gpuswap: {note}", file=sys.stderr, flush=True)
+        if chosen is None:
+            return Restored(note=note)
+        # a checkpoint that verified but does not fit the objects (another model, other sharding)
+        warnings = restore(items, chosen.own, chosen.shared, related)
+        saved_state = _unshard(chosen.own.get("user_state") or {}, lambda path: None)
+    except (CheckpointError, ValueError, RuntimeError, KeyError) as exc:
         text = f"cannot resume: rank {rank}: {exc}"
         print(f"gpuswap: {text}", file=sys.stderr, flush=True)
         if control:
@@ -303,13 +310,8 @@ def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attach
 
             send_once(control, {"op": "restore_failed", "message": text[:2000]})
         raise SystemExit(1) from None
-    if note:
-        print(f"gpuswap: {note}", file=sys.stderr, flush=True)
-    if chosen is None:
-        return Restored(note=note)
-    warnings = restore(items, chosen.own, chosen.shared, related)
     user_state.clear()
-    user_state.update(chosen.own.get("user_state") or {})
+    user_state.update(saved_state)
     for w in warnings:
         print(f"gpuswap: {w}", file=sys.stderr, flush=True)
     step = int(chosen.own["step"])
