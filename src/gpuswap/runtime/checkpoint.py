@@ -6,6 +6,10 @@ Layout (see docs/runtime.md)::
     ckpt-000007.json   manifest: sha256 and size of the payload; its presence commits the checkpoint
     .tmp-*             a write in progress (or one killed mid-way); ignored, removed by the next write
 
+Multi-rank jobs write `gpuswap-ckpt/2` (one part per rank and a manifest, runtime/ckparts.py) in
+the same directory; this module reads only format 1, skips format 2 with its world size as the
+reason, and prunes both.
+
 A checkpoint is written as: payload to a temp file in the same directory (sha256 computed while
 streaming), fsync, rename; manifest the same way; fsync the directory. A crash at any point leaves
 the previous complete checkpoint untouched, and readers only trust a payload whose manifest exists
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
 FORMAT = "gpuswap-ckpt/1"
+FORMAT_PARTS = "gpuswap-ckpt/2"   # multi-rank: one part per rank (runtime/ckparts.py)
 ENV_RESTART = "GPUSWAP_RESTART_ON_BAD_CHECKPOINT"  # "1": no usable checkpoint -> start from step 0
 KEEP = 2
 _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
@@ -113,6 +118,12 @@ def list_checkpoints(directory: str | os.PathLike, unreadable: list[str] | None 
             continue
         try:
             raw = json.loads(entry.read_text())
+            if isinstance(raw, dict) and raw.get("format") == FORMAT_PARTS:
+                # a multi-rank checkpoint (runtime/ckparts.py): never this single-rank job's
+                if unreadable is not None:
+                    unreadable.append(f"seq {raw.get('seq')} (step {raw.get('step')}): checkpoint "
+                                      f"written by {raw.get('world_size')} ranks, the job now has 1")
+                continue
             known = {k: raw[k] for k in CheckpointInfo.__dataclass_fields__ if k in raw}
             info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
         except (OSError, ValueError, TypeError) as exc:
@@ -159,14 +170,42 @@ def _remove_stale_temps(d: Path) -> None:
             e.unlink(missing_ok=True)
 
 
+def _manifest_files(raw: Any) -> tuple[int, list[str]] | None:
+    """(seq, data files) a manifest of either format names; None if it names none usable."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        seq = int(raw["seq"])
+        if raw.get("format") == FORMAT_PARTS:
+            files = [str(p["file"]) for p in raw["parts"]]
+        else:
+            files = [str(raw["payload"])]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return seq, [f for f in files if re.fullmatch(r"ckpt-\d+\.(r\d+\.)?pt", f)]
+
+
 def _prune(d: Path, keep: int) -> None:
-    """Delete committed checkpoints older than the newest `keep`, and payloads without manifest."""
-    infos = list_checkpoints(d)
-    live = {i.payload for i in infos[:keep]} | {f"ckpt-{i.seq:06d}.json" for i in infos[:keep]}
-    newest = infos[0].seq if infos else 0
+    """Keep the newest `keep` committed checkpoints of either format and what their manifests
+    name; delete the other manifests, then every other data file up to the newest seq (older
+    payloads and parts, and orphan parts a crash left before their manifest). Data files of a
+    newer seq are a write in progress and are left alone."""
+    committed = []
+    for e in d.iterdir():
+        if _MANIFEST.match(e.name):
+            try:
+                named = _manifest_files(json.loads(e.read_text()))
+            except (OSError, ValueError):
+                named = None
+            if named is not None and e.name == f"ckpt-{named[0]:06d}.json":
+                committed.append(named)
+    committed.sort(key=lambda x: x[0], reverse=True)
+    live = {f"ckpt-{seq:06d}.json" for seq, _ in committed[:keep]}
+    live |= {f for _, files in committed[:keep] for f in files}
+    newest = committed[0][0] if committed else 0
     # Manifests first: a crash mid-prune must never leave a manifest pointing at a deleted payload.
     for e in sorted(d.iterdir(), key=lambda e: not e.name.endswith(".json")):
-        m = re.match(r"^ckpt-(\d+)\.(pt|json)$", e.name)
+        m = re.match(r"^ckpt-(\d+)\.(pt|json|r\d+\.pt)$", e.name)
         if m and e.name not in live and int(m.group(1)) <= newest:
             e.unlink(missing_ok=True)
 
