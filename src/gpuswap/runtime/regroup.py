@@ -150,12 +150,22 @@ class Regroup:
 def _hook_group_fixed(state: Any, pg_type: type) -> bool:
     """A DDP comm hook's state that holds a group we cannot swap: the state is the group itself
     (the reducer's C++ hook keeps that object), or a group sits in an attribute other than
-    `process_group`, the one torch's own hook states (DefaultState, PowerSGDState) use. A state of
-    None, or with `process_group=None`, uses the default group at each call: fine."""
+    `process_group`, the one torch's own hook states (PowerSGDState, PostLocalSGDState) use. A state
+    of None, or with `process_group=None`, uses the default group at each call: fine."""
     if isinstance(state, pg_type):
         return True
-    fields = getattr(state, "__dict__", None) or {}
-    return any(isinstance(v, pg_type) for k, v in fields.items() if k != "process_group")
+    return any(isinstance(v, pg_type) for k, v in _fields(state) if k != "process_group")
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    """An object's attributes, from `__dict__` and `__slots__` (PowerSGDState has slots only)."""
+    out = list((getattr(obj, "__dict__", None) or {}).items())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in ([slots] if isinstance(slots, str) else slots):
+            if hasattr(obj, name):
+                out.append((name, getattr(obj, name)))
+    return out
 
 
 def _rebind_fsdp2(module: Any) -> None:
