@@ -17,6 +17,13 @@ directory and makes `trainer.train()` resume from it when the script passes no
 semantics exactly: global step, epoch, skipping the batches already seen in the current epoch
 (same sampler seed), RNG states.
 
+Under torchrun or `accelerate launch` with several processes every rank's callback attaches,
+`trainer.model_wrapped` (the DDP wrapper accelerate built) in place of the bare model, so the
+runtime rebinds it after the process group is made again; `on_step_end` runs at the same
+optimizer steps on every rank, so the safepoint ticks agree; `on_train_end` says `done`. Neither
+the Trainer nor accelerate keeps a process group object of its own (their collectives use the
+default group, resolved at each call).
+
 Importing gpuswap never imports transformers; only this module does.
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from transformers import Trainer, TrainerCallback
 
 import gpuswap
@@ -128,7 +136,13 @@ class SafepointCallback(TrainerCallback):
         if trainer is None:
             print("gpuswap: SafepointCallback could not find its Trainer; not attached", file=sys.stderr)
             return
-        objects: dict[str, Any] = {"model": kwargs.get("model") or trainer.model}
+        model = kwargs.get("model") or trainer.model
+        wrapped = getattr(trainer, "model_wrapped", None)
+        if trainer.args.world_size > 1 and isinstance(wrapped, torch.nn.Module) and wrapped is not model:
+            # Several processes: the wrapper accelerate built (DDP) holds the model (the same
+            # parameters and buffers) and the reducer the runtime rebinds after a regroup.
+            model = wrapped
+        objects: dict[str, Any] = {"model": model}
         opt = kwargs.get("optimizer") or trainer.optimizer
         if opt is not None:
             objects["optimizer"] = getattr(opt, "optimizer", opt)  # unwrap accelerate's wrapper
@@ -141,6 +155,12 @@ class SafepointCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.job is not None:
             self.job.safepoint(state.global_step - 1)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A rank of a multi-rank job says `done`: a pause asked now would wait for a safepoint
+        # this rank never reaches again, so the job stops being pausable (runtime/ranks.py).
+        if getattr(self.job, "world_size", 1) > 1:
+            self.job.close()
 
 
 __all__ = ["SafepointCallback"]

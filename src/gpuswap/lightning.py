@@ -18,6 +18,14 @@ epoch's sampler from the RNG state that epoch started with and skips the batches
 trained on, so shuffling and position match the uninterrupted run (the skipped batches are
 loaded again, as Hugging Face's `skip_first_batches` does).
 
+With `strategy="ddp"` (a plain-script launch, where rank 0 starts the other ranks, or under
+torchrun) every rank's callback attaches, the DDP wrapper (`trainer.strategy.model`) in place of
+the bare module so the runtime rebinds it after the group is made again; the safepoints are at
+the same optimizer steps on every rank, so their ticks agree; `on_train_end` says `done`.
+Lightning's own collectives pass `group=None` or `torch.distributed.group.WORLD`, which resolve to
+the current default group at each call, so nothing of Lightning's needs rebinding (its
+`_InfiniteBarrier` group lives only during `prepare_data`).
+
 Importing gpuswap never imports Lightning; only this module does.
 """
 from __future__ import annotations
@@ -114,7 +122,10 @@ class SafepointCallback(pl.Callback):
         self._restored = True
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        objects: dict[str, Any] = {"model": pl_module}
+        # Several processes (strategy="ddp"): the DDP wrapper Lightning built holds the module
+        # (the same parameters and buffers) and the reducer the runtime rebinds after a regroup.
+        wrapper = trainer.strategy.model if trainer.world_size > 1 else None
+        objects: dict[str, Any] = {"model": wrapper if isinstance(wrapper, torch.nn.Module) else pl_module}
         for i, opt in enumerate(trainer.optimizers):
             objects[f"optimizer{i}"] = opt
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
@@ -161,6 +172,12 @@ class SafepointCallback(pl.Callback):
         if self._original_loaders is not None:
             trainer.fit_loop._combined_loader.flattened = self._original_loaders
             self._original_loaders = None
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A rank of a multi-rank job says `done`: a pause asked now would wait for a safepoint
+        # this rank never reaches again, so the job stops being pausable (runtime/ranks.py).
+        if getattr(self.job, "world_size", 1) > 1:
+            self.job.close()
 
 
 __all__ = ["SafepointCallback"]

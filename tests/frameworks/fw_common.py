@@ -54,3 +54,40 @@ class PauseAt:
 def write_result(path: str, **fields: Any) -> None:
     with open(path, "w") as f:
         json.dump(fields, f)
+
+
+def digest(value: Any) -> str:
+    """sha256 of nested dicts/lists of tensors and plain values (optimizer state, RNG states):
+    equal digests mean bitwise equal state."""
+    h = hashlib.sha256()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            h.update(f"T{v.dtype}{tuple(v.shape)}".encode())
+            h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(f"K{k!r}".encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(f"L{len(v)}".encode())
+            for x in v:
+                walk(x)
+        else:
+            h.update(f"V{v!r}".encode())
+
+    walk(value)
+    return h.hexdigest()
+
+
+def hold_until_pause_asked(job: Any, step: int) -> None:
+    """Multi-rank jobs under a real daemon: at a step named in `$FW_HOLD_AT` (e.g. "2,7"), wait,
+    before the framework's safepoint, until the supervisor's `pause` has reached this rank, so the
+    test's `gpuswap pause` cannot miss the job (it would otherwise run to its end first). The
+    park itself then happens at the callback's own safepoint. Outside gpuswap: nothing."""
+    if step not in {int(s) for s in os.environ.get("FW_HOLD_AT", "").split(",") if s}:
+        return
+    cursor = getattr(job, "_cursor", None)     # a rank's view of the agreement (runtime/rankcursor.py)
+    deadline = time.monotonic() + 600
+    while cursor is not None and cursor.phase != "asked" and time.monotonic() < deadline:
+        time.sleep(0.01)

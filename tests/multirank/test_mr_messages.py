@@ -66,3 +66,14 @@ def test_rank_facts_read_back_by_the_daemon_are_validated():
 ])
 def test_rank_identity_from_the_launchers_environment(env, want):
     assert identity(env) == want
+
+
+@pytest.mark.parametrize("env, group, want", [
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, (1, 2), RankIdentity(1, 2, 1)),    # Lightning's child rank
+    ({}, (3, 4), RankIdentity(3, 4, 3)),                                       # mp.spawn: nothing in env
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, (1, 2), RankIdentity(1, 2, 1)),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, (1, 2), RankIdentity(1, 2, 0)),
+    ({"WORLD_SIZE": "2"}, (0, 1), RankIdentity(0, 1, 0)),                       # a group of one: a single rank
+])
+def test_rank_identity_from_the_initialized_default_group(env, group, want):
+    assert identity(env, group) == want

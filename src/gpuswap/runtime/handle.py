@@ -321,7 +321,7 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     if config.control and not config.slurm:
         from gpuswap.runtime import ranks
 
-        who = ranks.identity()
+        who = ranks.identity(group=ranks.default_group())
     if who is not None and who.world_size > 1:     # a rank of a multi-rank job (runtime/ranks.py)
         job: Job = ranks.RankJob(items, config, who)
         ranks.restore_ranks(job)

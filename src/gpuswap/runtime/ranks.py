@@ -41,23 +41,45 @@ class RankIdentity:
     local_rank: int
 
 
-def identity(env: Mapping[str, str] = os.environ) -> RankIdentity:
-    """From torchrun/accelerate/Lightning (RANK, WORLD_SIZE, LOCAL_RANK), else Slurm (SLURM_PROCID,
-    SLURM_NTASKS, SLURM_LOCALID), else a single rank. Values that make no sense give a single rank
-    with one line to stderr: the job trains on, only not as a pausable multi-rank job."""
-    for keys in (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
-        if keys[0] not in env or keys[1] not in env:
-            continue
-        try:
-            rank, world, local = int(env[keys[0]]), int(env[keys[1]]), int(env.get(keys[2], "0"))
-        except ValueError:
-            rank, world, local = -1, 0, 0
-        if 1 <= world <= MAX_WORLD and 0 <= rank < world and local >= 0:
-            return RankIdentity(rank, world, local)
-        print(f"gpuswap: ignoring {keys[0]}={env[keys[0]]!r} {keys[1]}={env[keys[1]]!r}: not a rank "
-              f"of a world of 1..{MAX_WORLD}; this process attaches as a single-rank job", file=sys.stderr, flush=True)
-        break
+def identity(env: Mapping[str, str] = os.environ, group: Optional[tuple[int, int]] = None) -> RankIdentity:
+    """From torchrun/accelerate (RANK, WORLD_SIZE, LOCAL_RANK); else from `group`, the (rank, world
+    size) of the initialized default process group (Lightning's plain-script launch sets WORLD_SIZE
+    and LOCAL_RANK but no RANK, and mp.spawn sets none: the group is the truth there); else Slurm
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); else a single rank. Values that make no sense give
+    a single rank with one line to stderr: the job trains on, only not as a pausable multi-rank job."""
+    found: list[tuple[str, Any, Any, Any]] = []       # (where, rank, world size, local rank)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        found.append(("RANK/WORLD_SIZE", env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0")))
+    if group is not None and group[1] > 1:
+        found.append(("the default process group", group[0], group[1],
+                      env.get("LOCAL_RANK", env.get("SLURM_LOCALID", group[0]))))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        found.append(("SLURM_PROCID/SLURM_NTASKS", env["SLURM_PROCID"], env["SLURM_NTASKS"],
+                      env.get("SLURM_LOCALID", "0")))
+    if not found:
+        return RankIdentity(0, 1, 0)
+    where, rank_s, world_s, local_s = found[0]
+    try:
+        rank, world, local = int(rank_s), int(world_s), int(local_s)
+    except ValueError:
+        rank, world, local = -1, 0, 0
+    if 1 <= world <= MAX_WORLD and 0 <= rank < world and local >= 0:
+        return RankIdentity(rank, world, local)
+    print(f"gpuswap: ignoring {where} = {rank_s!r}/{world_s!r}: not a rank of a world of 1..{MAX_WORLD}; "
+          "this process attaches as a single-rank job", file=sys.stderr, flush=True)
     return RankIdentity(0, 1, 0)
+
+
+def default_group() -> Optional[tuple[int, int]]:
+    """(rank, world size) of the job's initialized default process group, if it has one. Never
+    imports torch: a job that did not import torch.distributed has no group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except (RuntimeError, ValueError, AttributeError):
+        pass
+    return None
 
 
 class RankJob(Job):

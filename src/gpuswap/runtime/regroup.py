@@ -6,10 +6,11 @@ kept across a park anyway once a peer has destroyed its end. So at the common st
 destroys every group, and at resume creates the default group again with the same rank, world
 size, backend (and bound device for NCCL) on the *kept* rendezvous store under a fresh prefix
 (a second init under the old keys could read the first init's stale entries), then points what
-cached the old group at the new one: DDP's reducer, a ZeroRedundancyOptimizer, FSDP2's mesh
-infos. docs/design/multi-rank.md section 3 has the sources; tests/multirank proves it on gloo.
+cached the old group at the new one: DDP's reducer and its comm hooks' `state.process_group`,
+a ZeroRedundancyOptimizer, FSDP2's mesh infos. docs/design/multi-rank.md section 3 has the sources; tests/multirank proves it on gloo.
 
-What cannot be rebound (FSDP1, groups of the script's own) is a *refusal*: the rank says so in
+What cannot be rebound (FSDP1, groups of the script's own, a comm hook whose state is a group)
+is a *refusal*: the rank says so in
 `hello` and the park is refused (or, once the disk tier is built, goes to disk) with the reason.
 
 Replaced groups are never released here (`graveyard`): dropping the last reference to a gloo
@@ -94,6 +95,12 @@ class Regroup:
         if others:
             return (f"{len(others)} process group(s) besides the default one (new_group or a "
                     "multi-dimensional DeviceMesh) cannot be re-created in place")
+        for h in holders:
+            if _is(h, "torch.nn.parallel", "DistributedDataParallel"):
+                for _, state in getattr(h, "_comm_hooks", ()):
+                    if _hook_group_fixed(state, dist.ProcessGroup):
+                        return ("a DDP communication hook holds a process group where it cannot be "
+                                "rebound (its state is the group, or keeps it outside `process_group`)")
         return None
 
     def teardown(self) -> None:
@@ -131,10 +138,34 @@ class Regroup:
         for h in _holders(self.items):
             if _is(h, "torch.nn.parallel", "DistributedDataParallel"):
                 h._update_process_group(world)
+                for _, state in getattr(h, "_comm_hooks", ()):     # DDP leaves hooks' groups to us
+                    if isinstance(getattr(state, "process_group", None), dist.ProcessGroup):
+                        state.process_group = world
             elif _is(h, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
                 h.process_group = world
             elif _is(h, "torch.distributed.fsdp", "FSDPModule"):
                 _rebind_fsdp2(h)
+
+
+def _hook_group_fixed(state: Any, pg_type: type) -> bool:
+    """A DDP comm hook's state that holds a group we cannot swap: the state is the group itself
+    (the reducer's C++ hook keeps that object), or a group sits in an attribute other than
+    `process_group`, the one torch's own hook states (PowerSGDState, PostLocalSGDState) use. A state
+    of None, or with `process_group=None`, uses the default group at each call: fine."""
+    if isinstance(state, pg_type):
+        return True
+    return any(isinstance(v, pg_type) for k, v in _fields(state) if k != "process_group")
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    """An object's attributes, from `__dict__` and `__slots__` (PowerSGDState has slots only)."""
+    out = list((getattr(obj, "__dict__", None) or {}).items())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in ([slots] if isinstance(slots, str) else slots):
+            if hasattr(obj, name):
+                out.append((name, getattr(obj, name)))
+    return out
 
 
 def _rebind_fsdp2(module: Any) -> None:

@@ -1,0 +1,46 @@
+"""Hugging Face Trainer on 2 CPU processes (gloo; accelerate builds the DDP wrapper) with
+SafepointCallback, under a real daemon and `accelerate launch`: every rank attaches
+`trainer.model_wrapped`, the job is paused to RAM twice (each rank destroys its process group,
+parks, makes the group again and the runtime rebinds the wrapper) and ends bitwise equal, rank by
+rank, to the same script under plain torchrun: one run covers both launchers (`accelerate launch`
+with several processes runs torchrun's agent, `torch.distributed.run.run`).
+docs/frameworks.md, "Multi-process"."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed: pip install 'gpuswap[hf]'")
+pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'gpuswap[hf]'")
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("this torch has no torch.distributed with gloo", allow_module_level=True)
+
+from fw_ranks import finish_reference, park_twice, results, start_reference  # noqa: E402
+from fw_runner import HERE  # noqa: E402
+
+STEPS = 12  # 2 epochs x 6 optimizer steps (2 batches of 4 per rank each: gradient_accumulation_steps=2)
+JOB = str(HERE / "hf_ddp_job.py")
+# --standalone binds the rendezvous store to port 0, --main_process_port 0 picks a free one:
+# parallel runs never share a port. (`--cpu --num_processes 2` would start one process: accelerate
+# runs several CPU processes only through mpirun; `--multi_gpu` is its torchrun path, CPU included.)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", JOB]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", "0", JOB]
+
+
+def test_hf_trainer_under_accelerate_launch_parked_in_ram_twice_ends_bitwise_equal(make_daemon, home):
+    ref = start_reference(TORCHRUN + [str(home / "ref")], home)
+    d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
+    park_twice(d, ACCELERATE + [str(home / "out")], home)
+    finish_reference(ref)
+    base, got = results(home / "ref"), results(home / "out")
+    for rank, (a, b) in enumerate(zip(base, got)):
+        assert (a["job"], b["job"], b["wrapper"], b["world"]) == ("NullJob", "RankJob", "DistributedDataParallel", 2)
+        assert b["ticks"] == STEPS and a["global_step"] == b["global_step"] == STEPS  # one tick per optimizer step
+        assert b["samples"] == a["samples"], f"rank {rank} trained on other samples"
+        for key in ("params", "optimizer", "rng", "lr"):
+            assert b[key] == a[key], f"rank {rank} {key}"
+    assert base[0]["samples"] != base[1]["samples"]   # the ranks really split the data
