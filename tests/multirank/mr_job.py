@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpuswap
+from dist_helpers import full_state, local
 
 
 class NoJob:
@@ -77,17 +78,6 @@ def build(mode: str) -> tuple[nn.Module, Any]:
         model = fully_shard(net, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     raise SystemExit(f"unknown mode {mode}")
-
-
-def local(obj: Any) -> Any:
-    """The object with every DTensor replaced by this rank's shard: comparable without a group."""
-    if hasattr(obj, "to_local"):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, dict):
-        return {k: local(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(local(v) for v in obj)
-    return obj
 
 
 def hang_in_park(job: Any) -> None:
@@ -183,8 +173,7 @@ def main() -> None:
     for mode, (model, opt) in trained.items():
         if mode == "zero":
             opt.consolidate_state_dict(to=0)
-        params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                  for k, v in model.state_dict().items()}
+        params = full_state(model)
         optim = opt.state_dict() if mode != "zero" or rank == 0 else None
         out = Path(args.out) / mode
         out.mkdir(parents=True, exist_ok=True)
