@@ -111,6 +111,20 @@ def state_bytes(trained: dict[str, tuple[nn.Module, Any]]) -> int:
     return sum(storages.values())
 
 
+def bound_group(mode: str, model: nn.Module, opt: Any) -> bool:
+    """Whether what caches the default group holds the current one. On gloo a destroyed group
+    that DDP still holds keeps working (docs/design/multi-rank.md section 3), so bitwise equality
+    alone would not show a missing rebind; on NCCL it would be fatal."""
+    world = dist.group.WORLD
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        infos = [m._get_fsdp_state()._fsdp_param_group.mesh_info for m in model.modules()
+                 if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None]
+        return bool(infos) and all(i.shard_process_group is world for i in infos)
+    return model.process_group is world and (mode != "zero" or opt.process_group is world)
+
+
 def seen_group(groups: list[Any]) -> None:
     """Note the default group after a safepoint: a RAM park makes a new one."""
     if dist.group.WORLD is not groups[-1]:
@@ -170,6 +184,7 @@ def main() -> None:
                 time.sleep(0.02)
     job.close()
     nbytes = state_bytes(trained)
+    bound = {mode: bound_group(mode, *mo) for mode, mo in trained.items()}
     for mode, (model, opt) in trained.items():
         if mode == "zero":
             opt.consolidate_state_dict(to=0)
@@ -178,7 +193,7 @@ def main() -> None:
         out = Path(args.out) / mode
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "optimizer": local(optim), "rng": torch.get_rng_state(),
-                    "data": data.get_state(), "groups": len(groups),
+                    "data": data.get_state(), "groups": len(groups), "bound": bound[mode],
                     "state_bytes": nbytes}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.flush()

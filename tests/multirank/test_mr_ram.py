@@ -54,5 +54,6 @@ def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, m
         for rank in range(nproc):
             a, b = load(ref / mode, rank), load(out / mode, rank)
             assert (a["groups"], b["groups"]) == (1, 3)   # two parks, each a new default group
+            assert b["bound"], f"{mode} rank {rank}: still holds a destroyed group"
             for key in ("params", "optimizer", "rng", "data"):
                 assert_bitwise(a[key], b[key], f"{mode} rank {rank} {key}")
