@@ -220,7 +220,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024: 134 MB parked per rank)")
     ap.add_argument("--ranks", default="2,4", help="world sizes besides the 1-rank reference (default 2,4)")
     a = ap.parse_args()
-    console = Console()
+    console = Console(width=200)   # the table's full width, also when piped into a file
     widths = [1] + [int(r) for r in a.ranks.split(",")]
     script = Path(tempfile.mkdtemp(prefix="gsmr-job-")) / "bench_job.py"
     script.write_text(JOB)
@@ -235,8 +235,8 @@ def main() -> int:
         shutil.rmtree(script.parent, ignore_errors=True)
     ref = results[1]
     t = Table(title=f"multi-rank RAM park and resume under the daemon (simulated GPUs) - {about}")
-    for col in ("ranks", "parked per rank", "step", "pause -> all parked (daemon)", "vs 1 rank",
-                "resume -> all training (daemon)", "vs 1 rank", "pause_s (supervisor)", "resume_s (supervisor)"):
+    for col in ("ranks", "parked/rank", "step", "pause -> all parked (daemon)", "vs 1",
+                "resume -> all training (daemon)", "vs 1", "pause_s (supervisor)", "resume_s (supervisor)"):
         t.add_column(col)
     for n, r in results.items():
         t.add_row("1 (plain process, reference)" if n == 1 else f"{n} (torchrun, DDP, gloo)",
