@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -85,7 +86,7 @@ while True:
     if done.item():
         break
 job.close()
-print(f"step_s {statistics.median(times):.4f}", flush=True)
+os.write(1, f"step_s {statistics.median(times):.4f}\n".encode())   # one write: ranks share the log
 if multi:
     dist.destroy_process_group()
 sys.stdout.flush()
@@ -205,7 +206,7 @@ def measure(d: BenchDaemon, script: Path, ranks: int, reps: int, hidden: int) ->
     if j["state"] != "COMPLETED":
         raise RuntimeError(f"{ranks}-rank job: {j['events'][-1]['reason']}")
     log = (d.home / "jobs" / str(job) / "output.log").read_text()
-    steps = [float(line.split()[1]) for line in log.splitlines() if line.startswith("step_s ")]
+    steps = [float(x) for x in re.findall(r"step_s ([0-9.]+)", log)]
     out["step_s"] = statistics.median(steps) if steps else float("nan")
     return out
 
