@@ -92,6 +92,12 @@ def _status(home: Path, job: int) -> dict:
         return {}
 
 
+def _agreeing(rt: dict) -> dict:
+    """The supervisor's facts once the agreement is under way and every rank has said where it is."""
+    ranks = rt.get("ranks") or []
+    return rt if rt.get("phase") == "agreeing" and ranks and all(r["tick"] is not None for r in ranks) else {}
+
+
 def test_a_rank_hung_mid_park_ends_the_job_within_the_pause_timeout(make_daemon, home):
     # Rank 1 destroys its group and then blocks forever in its park (a test hook mr_job.py arms):
     # the coordinator's deadline for the parking phase ends the job, with the reason, and every
@@ -131,8 +137,7 @@ def test_a_rank_killed_during_the_agreement_withdraws_the_pause_and_the_job_fail
     block.touch()
     _until("rank 1 blocked", lambda: Path(f"{block}.ack").exists())
     assert d.cli("pause", str(job), "--to", "ram").returncode == 0
-    rt = _until("both ranks marked in the agreement", lambda: (lambda rt: rt if rt.get("phase") == "agreeing" and all(
-        r["tick"] is not None for r in rt.get("ranks", [])) else None)(_status(home, job).get("runtime", {})))
+    rt = _until("both ranks marked in the agreement", lambda: _agreeing(_status(home, job).get("runtime", {})))
     assert [r["state"] for r in rt["ranks"]][1] == "running"
     os.kill(pids[1], signal.SIGKILL)
     reason = _gone(d, job, pids + [launcher])
