@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpuswap.runtime import ckparts, objects, rankstate
-from group_rebuild_job import all_arrived, full_state, local
+from dist_helpers import all_arrived, full_state, local
 
 
 class Net(nn.Module):
@@ -129,7 +129,7 @@ def train(mode: str, args: argparse.Namespace) -> None:
 def leave(code: int) -> None:
     dist.destroy_process_group()
     # without destructors: the DDP reducer can drop the last group reference under the GIL
-    # at interpreter exit (group_rebuild_job.py says why)
+    # at interpreter exit (pytorch#56297; docs/design/multi-rank.md section 0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

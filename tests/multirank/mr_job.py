@@ -1,18 +1,31 @@
-"""A torchrun worker for tests/multirank/test_mr_ram.py: a small DDP training (gloo, CPU) with the
-two gpuswap lines, run under a real daemon and, as the reference, under plain torchrun.
+"""A torchrun worker for the multi-rank tests under a real daemon (tests/multirank/test_mr_*.py):
+small data-parallel trainings (gloo, CPU) with the two gpuswap lines, run under a real daemon and,
+as the reference, under plain torchrun.
 
-    torchrun --nproc-per-node N mr_job.py --steps S --out DIR [--gate FILE --hold-at H]
-             [--no-attach RANK]
+    torchrun --nproc-per-node N mr_job.py --steps S --out DIR [--modes ddp,zero,fsdp2]
+             [--gate FILE --hold-at H] [--no-attach RANK] [--hang-in-park RANK]
+             [--block-rank R --block-file F]
 
+--modes: which trainings run, side by side in one process, one step of each per loop step
+(starting torchrun is most of a test's cost): `ddp` (DistributedDataParallel + AdamW), `zero`
+(DDP + ZeroRedundancyOptimizer over AdamW), `fsdp2` (fully_shard on every Linear and the root,
+AdamW over the DTensor parameters). All are attached; one pause parks them all, and the rank's
+regroup rebinds every one of them.
 --gate: from step H on, the ranks keep calling `safepoint(H)` until FILE exists, so the test can
 pause and resume the job as often as it likes before it ends. Whether the gate is open is decided
 collectively (an all-reduce of each rank's look at the file), so every rank makes the same number
 of safepoint calls: ticks stay in step across ranks, as in any SPMD loop. Nothing trains while
 held, so the final state equals the reference's, which runs without a gate.
 --no-attach: that rank never calls `gpuswap.attach` (a rank that never attaches).
+--hang-in-park: test-only hook armed by this script, not a product flag: that rank blocks forever
+in its park, after its process group is destroyed (a rank hung mid-park).
+--block-rank/--block-file: while held at the gate, once FILE exists, that rank writes FILE.ack and
+then blocks outside any safepoint until FILE.go exists (a rank that does not reach the pause's
+common step: the test kills it during the agreement).
 
-Each rank writes its parameters, optimizer state and RNG state to DIR/rank{R}.pt, and leaves with
-os._exit after destroying its group (a gloo group's destructor can deadlock at exit: pytorch#56297).
+Each rank writes, per mode, its parameters, optimizer state, RNG state, data generator and how
+many distinct default groups it trained with to DIR/MODE/rank{R}.pt, and leaves with os._exit
+after destroying its group (a gloo group's destructor can deadlock at exit: pytorch#56297).
 """
 from __future__ import annotations
 
@@ -20,14 +33,17 @@ import argparse
 import faulthandler
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import gpuswap
+from dist_helpers import full_state, local
 
 
 class NoJob:
@@ -40,48 +56,145 @@ class NoJob:
         pass
 
 
+def build(mode: str) -> tuple[nn.Module, Any]:
+    torch.manual_seed(1234)                              # the same initial weights on every rank
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    if mode == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(net)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = nn.parallel.DistributedDataParallel(net)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def hang_in_park(job: Any) -> None:
+    """Make this rank's park block forever once its groups are destroyed (test-only)."""
+    teardown = job._regroup.teardown
+
+    def hung() -> None:
+        teardown()
+        print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: hanging in the park (test hook)",
+              file=sys.stderr, flush=True)
+        threading.Event().wait()
+
+    job._regroup.teardown = hung
+
+
+def state_bytes(trained: dict[str, tuple[nn.Module, Any]]) -> int:
+    """Bytes of this rank's training state, each storage once: parameters, gradients, optimizer
+    state (a ZeroRedundancyOptimizer's in its local optimizer; DTensors by their local shard).
+    What a RAM park must take off the device; the test compares it with what the daemon says."""
+    tensors: list[torch.Tensor] = []
+    for model, opt in trained.values():
+        for p in model.parameters():
+            tensors += [p] + ([p.grad] if p.grad is not None else [])
+        for o in (opt, getattr(opt, "optim", None)):
+            for st in (o.state.values() if o is not None else ()):
+                tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def bound_group(mode: str, model: nn.Module, opt: Any) -> bool:
+    """Whether what caches the default group holds the current one. On gloo a destroyed group
+    that DDP still holds keeps working (docs/design/multi-rank.md section 3), so bitwise equality
+    alone would not show a missing rebind; on NCCL it would be fatal."""
+    world = dist.group.WORLD
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        infos = [m._get_fsdp_state()._fsdp_param_group.mesh_info for m in model.modules()
+                 if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None]
+        return bool(infos) and all(i.shard_process_group is world for i in infos)
+    return model.process_group is world and (mode != "zero" or opt.process_group is world)
+
+
+def seen_group(groups: list[Any]) -> None:
+    """Note the default group after a safepoint: a RAM park makes a new one."""
+    if dist.group.WORLD is not groups[-1]:
+        groups.append(dist.group.WORLD)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--modes", default="ddp")
     ap.add_argument("--gate", default="")
     ap.add_argument("--hold-at", type=int, default=-1)
     ap.add_argument("--no-attach", type=int, default=-1)
+    ap.add_argument("--hang-in-park", type=int, default=-1)
+    ap.add_argument("--block-rank", type=int, default=-1)
+    ap.add_argument("--block-file", default="")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(600, exit=True)   # a hang ends with its stacks
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(1234)                              # the same initial weights on every rank
-    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
-    model = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    modes = args.modes.split(",")
+    trained = {mode: build(mode) for mode in modes}
     torch.manual_seed(100 + rank)                        # dropout differs per rank
     data = torch.Generator().manual_seed(7 + rank)
-    job = NoJob() if rank == args.no_attach else gpuswap.attach(model=model, optimizer=opt, data=data)
+    attached: dict[str, Any] = {"data": data}
+    for mode, (model, opt) in trained.items():
+        attached[f"{mode}_model"], attached[f"{mode}_optimizer"] = model, opt
+    job = NoJob() if rank == args.no_attach else gpuswap.attach(**attached)
+    if rank == args.hang_in_park:
+        hang_in_park(job)
+    groups = [dist.group.WORLD]                          # every default group trained with (kept: ids unique)
     for step in range(job.start_step, args.steps):
         x = torch.randn(8, 16, generator=data)
         y = torch.randn(8, 4, generator=data)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        for model, opt in trained.values():
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
         job.safepoint(step)
+        seen_group(groups)
         if args.gate and step == args.hold_at:
             deadline = time.monotonic() + 600
             while True:
+                if rank == args.block_rank and os.path.exists(args.block_file):
+                    Path(args.block_file + ".ack").touch()
+                    while not os.path.exists(args.block_file + ".go") and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 seen = torch.tensor([int(os.path.exists(args.gate) or time.monotonic() > deadline)])
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX)
                 if seen.item():
                     break
                 job.safepoint(step)
+                seen_group(groups)
                 time.sleep(0.02)
     job.close()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-             "optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "data": data.get_state()}
-    torch.save(state, out / f"rank{rank}.pt")
+    nbytes = state_bytes(trained)
+    bound = {mode: bound_group(mode, *mo) for mode, mo in trained.items()}
+    for mode, (model, opt) in trained.items():
+        if mode == "zero":
+            opt.consolidate_state_dict(to=0)
+        params = full_state(model)
+        optim = opt.state_dict() if mode != "zero" or rank == 0 else None
+        out = Path(args.out) / mode
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": params, "optimizer": local(optim), "rng": torch.get_rng_state(),
+                    "data": data.get_state(), "groups": len(groups), "bound": bound[mode],
+                    "state_bytes": nbytes}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

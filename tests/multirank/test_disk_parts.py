@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_group_rebuild import SRC, assert_bitwise, load, torch
+from mr_testing import SRC, assert_bitwise, load, torch
 
 STEPS = 7
 CKPT_AT = 3
@@ -32,7 +32,8 @@ def torchrun(nproc: int, *args: str) -> None:
     env.pop("GPUSWAP_JOB_ID", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).with_name("disk_parts_job.py")), "--steps", str(STEPS), *args]
-    # port 0 rendezvous (`--standalone`); deadlines only, as in test_group_rebuild.py
+    # port 0 rendezvous (`--standalone`); deadlines only: the ranks' watchdog (170 s) ends a hang
+    # with its stacks, this bound a launcher that outlives them
     res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stdout[-6000:]

@@ -124,6 +124,27 @@ def test_ram_park_and_resume():
     assert c.phase == ag.RUNNING and c.facts()["state"] == "running" and c.error is None
 
 
+def test_pause_and_resume_seconds_span_the_whole_move():
+    # pause_s: from the pause request to every rank parked (the agreement included); resume_s:
+    # from the resume request to every rank training again (unpark and regroup, not the regroup
+    # alone).
+    c = coordinator()
+    c.want("paused", "ram", T0)
+    for r in (0, 1):
+        c.receive(r, {"op": "mark", "epoch": c.epoch, "seen": 5}, T0 + 1)
+    for r in (0, 1):
+        c.receive(r, {"op": "ready", "epoch": c.epoch, "tick": 6}, T0 + 2)
+    for r in (0, 1):
+        c.receive(r, {"op": "paused", "epoch": c.epoch, "bytes": 1}, T0 + 4)
+    assert c.facts()["pause_s"] == 4
+    c.want("running", None, T0 + 10)
+    for r in (0, 1):
+        c.receive(r, {"op": "unparked", "epoch": c.epoch}, T0 + 12)
+    for r in (0, 1):
+        c.receive(r, {"op": "resumed", "epoch": c.epoch}, T0 + 13)
+    assert c.phase == ag.RUNNING and c.facts()["resume_s"] == 3
+
+
 def test_disk_park_commits_every_part_then_every_rank_exits():
     c = coordinator()
     agree(c, tier="disk")

@@ -110,6 +110,11 @@ class Observer:
             self.store.update(job.id, now, state=JobState.RUNNING, desired="running", desired_tier=None,
                               hold=False, event=f"park failed, job keeps running: {rt['error']}")
             return
+        if (rt.get("world_size") or 1) > 1 and rt.get("phase") not in (None, "running", "agreeing"):
+            # Every rank reached the common step and the park is under way: the job is no longer
+            # running as it was (groups torn down), and the supervisor's coordinator bounds each
+            # phase by the same timeout, ending the job with the reason (node/ranks.py).
+            return
         asked_for = now - (job.pause_requested_at or now)
         never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
         if asked_for <= self.pause_timeout_s and not never_attached:

@@ -299,6 +299,7 @@ class Coordinator:
     def _resume(self, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
+        a.resume_asked = now
         self._enter(UNPARKING, now)
         return self._to_all({"op": "resume", "epoch": a.epoch})
 
@@ -320,7 +321,9 @@ class Coordinator:
         a.answered[rank] = msg
         if len(a.answered) < self.world_size:   # type: ignore[operator]
             return []
-        self.result = {"resume_s": round(now - a.since, 6)}
+        # From the resume request to every rank training again: unpark and regroup, not the
+        # regroup alone (a.since is the current phase's start).
+        self.result = {"resume_s": round(now - (a.resume_asked if a.resume_asked is not None else a.since), 6)}
         self.phase, self.attempt = RUNNING, None
         return self._reconcile(now)
 

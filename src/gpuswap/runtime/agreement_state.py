@@ -52,6 +52,7 @@ class Attempt:
     epoch: int
     since: float                       # when the current phase began
     started: float                     # when the pause was asked for
+    resume_asked: Optional[float] = None   # when the resume was asked for (resume_s counts from it)
     bounds: dict[int, int] = field(default_factory=dict)   # rank -> the latest tick it can stop at
     held: set[int] = field(default_factory=set)
     target: Optional[int] = None

@@ -95,6 +95,13 @@ def iter_tensors(items: list[Attached]) -> Iterator[Any]:
                         yield p.grad
             for st in list(a.obj.state.values()):
                 yield from _walk(st)
+            # ZeroRedundancyOptimizer keeps its shard's state (Adam's moments) in a local optimizer
+            # of its own (`optim`); its own `state` is empty, so without this the shard stays on
+            # the GPU through a RAM park.
+            inner = getattr(a.obj, "optim", None)
+            if isinstance(inner, sys.modules["torch"].optim.Optimizer) and inner is not a.obj:
+                for st in list(inner.state.values()):
+                    yield from _walk(st)
         elif a.kind == "tensor":
             yield a.obj
             if a.obj.grad is not None:

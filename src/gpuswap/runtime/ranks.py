@@ -143,6 +143,9 @@ class RankJob(Job):
                         if action != WAIT or out:
                             break
                         self._cond.wait()
+                    # A holding rank released by a target beyond its tick trains on *flagged*: its
+                    # next safepoints must come back here to stop at the target.
+                    self._pending = self._cursor.flagged or self._measure_req
                 self._send_all(out)
                 continue
             ok, info = self._carry_out(action)
