@@ -78,6 +78,9 @@ class Observer:
             changes["device_bytes"] = dev
         if rt.get("step") is not None and rt.get("step") != job.step:
             changes["step"] = rt["step"]
+        width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
+        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
+            changes["width"] = width
         if changes:
             self.store.update(job.id, now, **changes)
 

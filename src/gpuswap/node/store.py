@@ -61,7 +61,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     abort_reason TEXT,
     ram_allowance INTEGER,
     residue TEXT NOT NULL DEFAULT '{}',
-    version INTEGER NOT NULL DEFAULT 0
+    version INTEGER NOT NULL DEFAULT 0,
+    width INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
@@ -118,7 +119,7 @@ CREATE TABLE IF NOT EXISTS tokens (
 _JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue"}
 # Columns `jobs` gained after databases were already written: a database of an earlier version
 # gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
-_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"),)
+_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("width", "INTEGER NOT NULL DEFAULT 1"))
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
@@ -177,6 +178,9 @@ class JobRecord:
     # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
     residue: dict[int, int]
     version: int             # store-wide change counter at this row's last write
+    # Ranks of its process group, as its runtime reported them (`world_size`); 1 until one does.
+    # How it can be parked and at what cost follow from it (policy/capability.py).
+    width: int = 1
 
     @property
     def holds_gpu(self) -> bool:

@@ -68,6 +68,8 @@ class JobView:
     # `gpus` for a data-parallel job with one rank per GPU; 1 for a single-process job, whatever
     # its GPUs). Its park costs what policy/capability.py says for that width.
     width: int = 1
+    # Why `tiers` is empty or narrowed (capability.Parkability.why_not), for the reasons people read.
+    why_not: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
