@@ -113,3 +113,14 @@ def test_the_policy_charges_a_wide_job_what_capability_says():
     assert plan.tier == "ram" and plan.gpu_s == pytest.approx(rt * 8)
     single_process = job("s", Phase.RUNNING, gpus=8, mem_gib=12)          # width 1: one process, 8 GPUs
     assert switch_s(single_process, "ram", costs) == costs.park_s(nbytes, "ram") + costs.resume_s(nbytes, "ram")
+
+
+def test_pending_reasons_say_why_a_job_cannot_be_parked():
+    from gpuswap.policy.victims import protection
+    from policy_helpers import gpus, snap
+    v = job("w", Phase.RUNNING, gpus=2, assigned=(0, 1), tiers=frozenset(), width=2, why_not=NCCL_TRANSPARENT_REFUSAL)
+    code, text, _ = protection(v, snap(1000, gpus(2), [v]))
+    assert code == "NotParkable" and text == f"cannot be parked: {NCCL_TRANSPARENT_REFUSAL}"
+    old = job("o", Phase.RUNNING, assigned=(0,), tiers=frozenset())
+    assert protection(old, snap(1000, gpus(1), [old]))[1] == \
+        "cannot be parked: no gpuswap runtime attached and no driver freeze"
