@@ -281,8 +281,10 @@ class Controller:
     def _why_not(self, job: JobRecord) -> str:
         if job.transparent_refused:
             return job.transparent_refused
-        if job.width > 1 and job.pause_mode == "transparent":
-            return job_parkability(job, self.transparent_ok).why_not or self.driver.capability.reason
+        if job.width > 1 or job.ram_refusal:      # the multi-rank rules: capability.py says why
+            why = job_parkability(job, self.transparent_ok).why_not
+            if why:
+                return why
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
         if mechanism_for(job, self.transparent_ok) == "transparent":

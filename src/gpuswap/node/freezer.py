@@ -64,7 +64,7 @@ def runtime_kind(job: JobRecord) -> RuntimeKind:
 def job_parkability(job: JobRecord, transparent_ok: bool) -> Parkability:
     """How this job can be parked now, and why not where it cannot (capability.py decides)."""
     return parkability(job.width, runtime_kind(job), None, transparent_ok and not job.transparent_refused,
-                       None, transparent_refused=job.transparent_refused)
+                       job.ram_refusal, transparent_refused=job.transparent_refused)
 
 
 def awaiting_runtime(job: JobRecord, now: float) -> bool:
