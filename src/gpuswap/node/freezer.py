@@ -29,10 +29,10 @@ from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriv
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Observation
 from gpuswap.node.store import JobRecord, Store
-from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
-                                       transparent_allowed)
 from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu_permutation, job_cuda_processes,
                                       next_freeze_step, next_thaw_step, room_for)
+from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
+                                       transparent_allowed)
 from gpuswap.simcuda import start_ticks
 
 LOCK_TIMEOUT_MS = 10_000
