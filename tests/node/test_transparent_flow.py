@@ -13,7 +13,8 @@ import pytest
 from gpuswap.jobs import JobState
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import Capability, CheckpointDriver, CheckpointError
-from gpuswap.node.freezer import Freezer
+from gpuswap.node.freezer import Freezer, job_parkability, mechanism_for, tiers_for
+from gpuswap.policy.capability import NCCL_TRANSPARENT_REFUSAL
 from gpuswap.node.gpus import GpuInfo, GpuInventory, GpuProcess
 from gpuswap.node.launcher import Observation
 from gpuswap.node.store import NewJob, Store
@@ -154,10 +155,10 @@ def test_checkpoint_failure_unlocks_and_keeps_running(world):
     assert "CUDA_ERROR_NOT_SUPPORTED" in job.transparent_refused
 
 
-def test_child_and_grandchild_cuda_processes_are_all_frozen_and_thawed(world):
-    """The launched command is a shell; its child and grandchild hold CUDA state. Both are found in
-    NVML before the lock, all locked, then all checkpointed; the thaw uses the recorded pids (NVML
-    lists neither by then), never the shell's."""
+def test_several_cuda_processes_are_refused_without_touching_the_driver(world):
+    """The launched command is a shell; its child and grandchild hold CUDA state (as a torchrun
+    job's ranks would): NVML lists two processes, so the freeze is refused before any driver call
+    (cuda-checkpoint does not checkpoint the CUDA IPC memory NCCL ranks share)."""
     store, job_id, pid, gpus, driver, freezer = world
     tree = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60' & sleep 60; wait"])
     import psutil
@@ -168,18 +169,25 @@ def test_child_and_grandchild_cuda_processes_are_all_frozen_and_thawed(world):
     kids.sort()
     gpus.procs[0] = tuple(GpuProcess(k, 2**30) for k in kids)
     try:
-        job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
-        assert [c[:2] for c in driver.calls] == [("lock", kids[0]), ("lock", kids[1]),
-                                                 ("checkpoint", kids[0]), ("checkpoint", kids[1])]
-        assert job.parked_bytes == 2 * 2**30 and gpus.list()[0].processes == ()
-        store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
-        job = drive(store, job_id, freezer, tree.pid, "thawing", True, lambda j: j.state == JobState.RUNNING)
+        job = drive(store, job_id, freezer, tree.pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
     finally:
         tree.kill()
         subprocess.run(["pkill", "-P", str(tree.pid)])
-    assert sorted(c[1] for c in driver.calls if c[0] in ("restore", "unlock")) == sorted(kids * 2)
-    assert tree.pid not in [c[1] for c in driver.calls]
-    assert all(driver.state(k) == "running" for k in kids) and job.parked is None
+    assert driver.calls == []
+    assert job.transparent_refused == NCCL_TRANSPARENT_REFUSAL and job.parked is None
+    assert tiers_for(job, True) == frozenset()          # submitted --pause-mode transparent: nothing else parks it
+    assert job_parkability(job, True).why_not == NCCL_TRANSPARENT_REFUSAL
+
+
+def test_a_multi_rank_runtime_is_refused_without_touching_the_driver(world):
+    """A runtime that reported several ranks (world_size > 1): refused before any driver call even
+    when NVML shows one process here, and the policy is never offered the driver path for it."""
+    store, job_id, pid, gpus, driver, freezer = world
+    store.update(job_id, time.time(), width=2)
+    assert mechanism_for(store.get(job_id), True) is None          # --pause-mode transparent, 2 ranks
+    assert job_parkability(store.get(job_id), True).why_not == NCCL_TRANSPARENT_REFUSAL
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+    assert driver.calls == [] and job.transparent_refused == NCCL_TRANSPARENT_REFUSAL
 
 
 def test_no_cuda_process_is_refused_without_touching_the_driver(world):

@@ -25,21 +25,22 @@ def shown_everywhere(d, job_id: int, text: str) -> None:
 
 
 def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
-    """The issue's 145 s wait, shortened (cap 50%): a 2-GPU low job of 8 GiB per GPU without the
-    runtime (two CUDA processes, frozen through the simulated driver) holds both GPUs; the urgent job waits on the
-    switch-time cap, the reason says so with its numbers, in ls, show and the overview, an event
-    records it, and once the cap allows it the low job is parked and the urgent one runs."""
-    d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--max-switch-fraction", "0.5",
+    """The issue's 145 s wait, shortened (cap 50%): a low job of 16 GiB without the runtime (one
+    CUDA process, frozen through the simulated driver; two would be refused as possible NCCL ranks)
+    holds the only GPU; the urgent job waits on the switch-time cap, the reason says so with its
+    numbers, in ls, show and the overview, an event records it, and once the cap allows it the low
+    job is parked and the urgent one runs."""
+    d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "0.5",
                     "--ram-budget", "64GiB", calibrate=True)
     # The switch cost is the move at this machine's bandwidth: wait for its calibration (at start).
     d.until(0, lambda g: g["bandwidths"]["ram_park_bps"]["source"].startswith("calibrated"), get="/v1/gpus")
-    # One simulated CUDA process of 8 GiB on each of its GPUs (the strict driver freezes only those).
-    ready = [d.home / f"cuda-ready-{i}" for i in (0, 1)]
-    cuda = ("import sys, time; from gpuswap import simcuda; simcuda.allocate(8 * 2**30, device=int(sys.argv[1])); "
-            "open(sys.argv[2], 'w').close(); time.sleep(600)")
-    low = d.submit(["sh", "-c", f"{sys.executable} -c \"$0\" 0 {ready[0]} & {sys.executable} -c \"$0\" 1 {ready[1]}; wait",
-                    cuda], name="low", priority="low", gpus=2, mem="8GiB")
-    d.until(low, lambda j: all(r.exists() for r in ready))
+    # One simulated CUDA process of 16 GiB (the strict driver freezes only that).
+    ready = d.home / "cuda-ready"
+    cuda = ("import sys, time; from gpuswap import simcuda; simcuda.allocate(16 * 2**30); "
+            "open(sys.argv[1], 'w').close(); time.sleep(600)")
+    low = d.submit(["sh", "-c", f"{sys.executable} -c \"$0\" {ready}; wait", cuda],
+                   name="low", priority="low", gpus=1, mem="16GiB")
+    d.until(low, lambda j: ready.exists())
     urgent = d.submit(SLEEP, name="urgent", priority="urgent")
     j = d.until(urgent, lambda j: j["pending_reason"] == "SwitchCap" or j["state"] != "PENDING")
     assert j["pending_reason"] == "SwitchCap", j
@@ -56,9 +57,9 @@ def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
     d.state(urgent, "RUNNING", timeout=120 + 2 * b["numbers"]["allowed_in_s"])
     assert d.job(low)["state"] in ("PAUSING", "PAUSED")
     parked = d.state(low, "PAUSED")
-    # The simulated driver moves no memory: its park is the job's whole footprint (both GPUs) for
-    # the RAM budget, but its timing teaches no bandwidth (a zero-byte move would be costed as 16 GiB).
-    assert parked["parked_bytes"] == 2 * 8 * 2**30, parked
+    # The simulated driver moves no memory: its park is the job's whole footprint for the RAM
+    # budget, but its timing teaches no bandwidth (a zero-byte move would be costed as 16 GiB).
+    assert parked["parked_bytes"] == 16 * 2**30, parked
     bw = d.client.get("/v1/gpus")["bandwidths"]["ram_park_bps"]
     assert bw["source"].startswith("calibrated") and bw["samples"] == 0, bw
     events = [e["reason"] for e in d.job(urgent)["events"]]

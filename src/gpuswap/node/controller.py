@@ -18,8 +18,8 @@ from gpuswap.jobs import JobState, format_size
 from gpuswap.node import residue, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import CheckpointDriver
-from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, mechanism_for,
-                                  tiers_for)
+from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, job_parkability,
+                                  mechanism_for, tiers_for)
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.observe import Observer
@@ -281,6 +281,10 @@ class Controller:
     def _why_not(self, job: JobRecord) -> str:
         if job.transparent_refused:
             return job.transparent_refused
+        if job.width > 1 or job.ram_refusal:      # the multi-rank rules: capability.py says why
+            why = job_parkability(job, self.transparent_ok).why_not
+            if why:
+                return why
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
         if mechanism_for(job, self.transparent_ok) == "transparent":

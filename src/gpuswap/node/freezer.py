@@ -1,11 +1,15 @@
 """Job-level flow of transparent parking: which mechanism parks a job, and the freeze/thaw moves
 that turn the driver's state into job states and events.
 
-The job's CUDA processes (any in its process tree, several allowed) and their footprint are
-taken from NVML once, before the first lock, and kept in the run directory (FreezeRecord): after
+The job's CUDA process (any in its process tree) and its footprint are taken from NVML once,
+before the first lock, and kept in the run directory (FreezeRecord): after
 a checkpoint NVML lists them no more, so every later step, the thaw and a restarted daemon use
 that record and ask the driver, never NVML, where each process is. The driver is never asked
 about a stopped process: the tree is stopped last on freeze and continued first on thaw.
+
+A job whose GPU work is spread over several CUDA processes (a multi-rank runtime, or more than
+one process in NVML's list) is refused before any driver call: ranks of one group share CUDA IPC
+memory, which cuda-checkpoint does not checkpoint (policy/capability.py, docs/transparent.md).
 
 Every failure ends in a defined state with its reason: a lock that times out or a driver that
 refuses leaves the job RUNNING (what was taken is put back) and not preempted transparently
@@ -27,6 +31,8 @@ from gpuswap.node.launcher import Observation
 from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu_permutation, job_cuda_processes,
                                       next_freeze_step, next_thaw_step, room_for)
+from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
+                                       transparent_allowed)
 from gpuswap.simcuda import start_ticks
 
 LOCK_TIMEOUT_MS = 10_000
@@ -38,12 +44,27 @@ def mechanism_for(job: JobRecord, transparent_ok: bool) -> Optional[str]:
     """How a pause of this job would be carried out, or None if it cannot be parked at all."""
     if job.pause_mode == "cooperative":
         return "cooperative"
-    driver_ok = transparent_ok and not job.transparent_refused
+    driver_ok = transparent_allowed(job.width, transparent_ok and not job.transparent_refused)
     if job.pause_mode == "transparent":
         return "transparent" if driver_ok else None
     if job.attached:
         return "cooperative"
     return "transparent" if driver_ok else "cooperative"   # cooperative: falls back if it never attaches
+
+
+def runtime_kind(job: JobRecord) -> RuntimeKind:
+    """The daemon's record in capability.py's terms (see RuntimeKind there)."""
+    if job.pause_mode == "transparent":
+        return "none"
+    if job.pause_mode == "cooperative" or job.attached:
+        return "unresponsive" if job.no_runtime else "cooperative"
+    return "none" if job.no_runtime else "auto"
+
+
+def job_parkability(job: JobRecord, transparent_ok: bool) -> Parkability:
+    """How this job can be parked now, and why not where it cannot (capability.py decides)."""
+    return parkability(job.width, runtime_kind(job), None, transparent_ok and not job.transparent_refused,
+                       job.ram_refusal, transparent_refused=job.transparent_refused)
 
 
 def awaiting_runtime(job: JobRecord, now: float) -> bool:
@@ -61,14 +82,9 @@ def deferred_pause_text(tier: str) -> str:
 
 
 def tiers_for(job: JobRecord, transparent_ok: bool) -> frozenset[str]:
-    """The tiers the policy may choose for this job now. The transparent disk tier would need CRIU,
-    which gpuswap does not drive (see docs/transparent.md), so transparent jobs park in RAM only."""
-    mech = mechanism_for(job, transparent_ok)
-    if mech == "cooperative" and not job.no_runtime:
-        return frozenset({"ram", "disk"})
-    if mech == "transparent":
-        return frozenset({"ram"})
-    return frozenset()
+    """The tiers the policy may choose for this job now (capability.py: the transparent disk tier
+    would need CRIU, which gpuswap does not drive, so driver-frozen jobs park in RAM only)."""
+    return job_parkability(job, transparent_ok).tiers
 
 
 class Freezer:
@@ -132,6 +148,12 @@ class Freezer:
             procs = job_cuda_processes(pid, self.gpus)
             if not procs:
                 self._refuse(job, now, "no CUDA process found in the job's process tree (NVML lists none)", None)
+                return
+            if job.width > 1 or len({p.pid for p in procs}) > 1:
+                # Ranks of one group share CUDA IPC memory, which the driver does not checkpoint;
+                # without a runtime saying otherwise, several CUDA processes are taken to be such
+                # ranks. Refused before any driver call (docs/transparent.md).
+                self._refuse(job, now, NCCL_TRANSPARENT_REFUSAL, None)
                 return
             rec = FreezeRecord(tuple(procs))
             if job.ram_allowance is not None and rec.nbytes > job.ram_allowance:

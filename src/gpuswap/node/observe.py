@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import signal as signals
-from typing import Any
+from typing import Any, Optional
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
@@ -82,6 +82,12 @@ class Observer:
             ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
             if ranks != job.ranks:
                 changes["ranks"] = ranks
+        width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
+        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
+            changes["width"] = width
+        refusal = _ram_refusal(rt.get("ranks"))
+        if refusal != job.ram_refusal and (refusal is not None or rt.get("ranks") is not None):
+            changes["ram_refusal"] = refusal
         if changes:
             self.store.update(job.id, now, **changes)
 
@@ -230,6 +236,17 @@ def _exit_time(ex: dict[str, Any], now: float) -> float:
     except (KeyError, TypeError, ValueError):
         return now
     return min(when, now) if when > 0 else now
+
+
+def _ram_refusal(ranks: Any) -> Optional[str]:
+    """Why the job's ranks cannot rebuild their group (each rank's `ram_refusal` in the runtime's
+    `ranks` facts, runtime/agreement.py), as one line; None when none refuses."""
+    if not isinstance(ranks, list):
+        return None
+    out = [f"rank {r['rank']}: {r['ram_refusal'][:200]}" for r in ranks
+           if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("ram_refusal"), str)
+           and r["ram_refusal"]]
+    return "; ".join(out)[:1000] or None
 
 
 def _failed_since(rt: dict[str, Any], asked_at: Any) -> bool:

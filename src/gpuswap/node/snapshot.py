@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from gpuswap.jobs import JobState
-from gpuswap.node.freezer import mechanism_for, tiers_for
+from gpuswap.node.freezer import job_parkability, mechanism_for
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.store import JobRecord
 from gpuswap.policy.model import GpuView, JobView, Phase, PolicyConfig, Snapshot, SwitchCosts
@@ -19,6 +19,7 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
     # A cooperative park keeps what it could not free on the GPU; a driver checkpoint frees all.
     parking = j.state in (JobState.PAUSING, JobState.PAUSED)
     cooperative = (j.mechanism if parking else mechanism_for(j, transparent_ok)) == "cooperative"
+    can = job_parkability(j, transparent_ok)
     return JobView(
         id=str(j.id),
         user=j.user,
@@ -37,7 +38,9 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
         parked=(j.desired_tier or j.parked) if j.state == JobState.PAUSING else j.parked,
         parked_bytes=j.parked_bytes,
         preemptible=j.preemptible and not j.cancel_requested and not j.hold,
-        tiers=tiers_for(j, transparent_ok),
+        tiers=can.tiers,
+        why_not=can.why_not,
+        width=j.width,
         holds_gpu_while_paused=j.state == JobState.PAUSED and j.holds_gpu,
         node=NODE,
         home_gpus=tuple(j.home_gpus) if pinned_home else (),

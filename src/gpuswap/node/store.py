@@ -62,7 +62,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     ram_allowance INTEGER,
     residue TEXT NOT NULL DEFAULT '{}',
     ranks TEXT NOT NULL DEFAULT '[]',
-    version INTEGER NOT NULL DEFAULT 0
+    version INTEGER NOT NULL DEFAULT 0,
+    width INTEGER NOT NULL DEFAULT 1,
+    ram_refusal TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
@@ -119,7 +121,8 @@ CREATE TABLE IF NOT EXISTS tokens (
 _JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
 # Columns `jobs` gained after databases were already written: a database of an earlier version
 # gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
-_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"))
+_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"),
+                      ("width", "INTEGER NOT NULL DEFAULT 1"), ("ram_refusal", "TEXT"))
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
@@ -181,6 +184,11 @@ class JobRecord:
     # [{"rank", "pid", "state", "connected", "device_bytes"}] (node/ranks.py), for `show` and `ls`.
     ranks: list[dict[str, Any]]
     version: int             # store-wide change counter at this row's last write
+    # Ranks of its process group, as its runtime reported them (`world_size`); 1 until one does.
+    # How it can be parked and at what cost follow from it (policy/capability.py).
+    width: int = 1
+    # Why its ranks cannot rebuild their process group (their runtime said so): parked to disk only.
+    ram_refusal: Optional[str] = None
 
     @property
     def holds_gpu(self) -> bool:

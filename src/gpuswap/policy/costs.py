@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
+from gpuswap.policy.capability import park_s, resume_s
 from gpuswap.policy.model import JobView, PolicyConfig, SwitchCosts
 
 UNLIMITED = float("inf")
@@ -18,9 +19,10 @@ def job_bytes(job: JobView) -> int:
 
 
 def switch_s(job: JobView, tier: str, costs: SwitchCosts) -> float:
-    """Seconds of GPU time lost to one park plus the matching resume (the round trip)."""
+    """Seconds of GPU time lost to one park plus the matching resume (the round trip), at the
+    job's width (policy/capability.py: ranks copy in parallel, plus the group's fixed cost)."""
     nbytes = job_bytes(job)
-    return costs.park_s(nbytes, tier) + costs.resume_s(nbytes, tier)
+    return park_s(costs, nbytes, tier, job.width) + resume_s(costs, nbytes, tier, job.width)
 
 
 def ram_free_by_node(ram_budget: Mapping[str, int], ram_used: Mapping[str, int],
@@ -46,7 +48,8 @@ def spill_penalty_gpu_s(job: JobView, costs: SwitchCosts) -> float:
     """What spilling a RAM-parked job costs in GPU time: its resume becomes a disk restart.
     The host-side write itself takes no GPU."""
     nbytes = job.parked_bytes or job_bytes(job)
-    return (costs.resume_s(nbytes, "disk") - costs.resume_s(nbytes, "ram")) * max(job.gpus, 1)
+    w = job.width
+    return (resume_s(costs, nbytes, "disk", w) - resume_s(costs, nbytes, "ram", w)) * max(job.gpus, 1)
 
 
 def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[JobView]],
@@ -64,9 +67,10 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
         return None
     gpus = job.gpus if job.gpus > 1 else 1
     nbytes = job.mem_bytes * gpus
+    w = job.width
     best: Optional[tuple[float, int, str, tuple[JobView, ...]]] = None
     if "ram" in tiers:                      # the hot path: called for every victim scored
-        ram_gpu_s = (costs.park_s(nbytes, "ram") + costs.resume_s(nbytes, "ram")) * gpus
+        ram_gpu_s = (park_s(costs, nbytes, "ram", w) + resume_s(costs, nbytes, "ram", w)) * gpus
         if ram_room >= nbytes:
             best = (ram_gpu_s, 0, "ram", ())
         elif config.allow_disk:
@@ -80,7 +84,7 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
             if room >= nbytes:
                 best = (ram_gpu_s + penalty, len(chosen), "ram", tuple(chosen))
     if "disk" in tiers and config.allow_disk:
-        disk = ((costs.park_s(nbytes, "disk") + costs.resume_s(nbytes, "disk")) * gpus, 0, "disk", ())
+        disk = ((park_s(costs, nbytes, "disk", w) + resume_s(costs, nbytes, "disk", w)) * gpus, 0, "disk", ())
         if best is None or disk[:2] < best[:2]:
             best = disk
     return ParkPlan(best[2], best[0], best[3]) if best is not None else None

@@ -64,6 +64,12 @@ class JobView:
     # one (unknown: docs/policies.md). A RAM-parked job keeps it on each of its home_gpus; for a
     # running job it is what parking it to RAM would leave for the job that takes its GPUs.
     residue_bytes: int = 0
+    # Ranks: processes that each hold a share of its GPU state and park in parallel (equal to
+    # `gpus` for a data-parallel job with one rank per GPU; 1 for a single-process job, whatever
+    # its GPUs). Its park costs what policy/capability.py says for that width.
+    width: int = 1
+    # Why `tiers` is empty or narrowed (capability.Parkability.why_not), for the reasons people read.
+    why_not: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,13 @@ class SwitchCosts:
     disk_read_bps: float = 2.0e9     # checkpoint read at restart
     ram_fixed_s: float = 0.5         # per park or resume, regardless of size (reaching a safepoint, sync)
     disk_fixed_s: float = 10.0       # process restart + framework start-up after a disk park
+    # Multi-rank jobs only (policy/capability.py). Orders of magnitude, NOT measured here (no
+    # multi-GPU machine was available): destroying the process group's communicators before a RAM
+    # park, creating them again after a resume or restart (NCCL, 8 ranks on one node: seconds), and
+    # the host memory bandwidth all ranks' copies share (8 PCIe 4 x16 links behind ~4 switches).
+    group_teardown_s: float = 1.0
+    group_rebuild_s: float = 5.0
+    host_copy_bps: float = 100e9
 
     def park_s(self, nbytes: int, tier: str) -> float:
         if tier == "ram":

@@ -43,7 +43,7 @@ def protection(v: JobView, snap: Snapshot) -> Optional[tuple[str, str, dict[str,
     if not v.preemptible:
         return "NoPreempt", "not preemptible", {}
     if not v.tiers:
-        return "NotParkable", "cannot be parked: no gpuswap runtime attached and no driver freeze", {}
+        return "NotParkable", f"cannot be parked: {v.why_not or 'no gpuswap runtime attached and no driver freeze'}", {}
     left = (v.phase_since if v.last_start is None else v.last_start) - (snap.now - snap.config.min_runtime_s)
     if left > 0:
         return ("MinRuntime", f"protected for its minimum runtime, {left:.0f} s more",

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-per-node", default="256GiB", help="host RAM per node for parked GPU state")
     p.add_argument("--switch-cost", default="gpuswap",
                    help="gpuswap | checkpoint | fixed:SECONDS | measured:FILE (gpuswap gpus --json)")
+    p.add_argument("--multi-rank", default="cooperative",
+                   help="cooperative: a multi-GPU job is a data-parallel job parked at the multi-rank "
+                        "cost (default); none: multi-GPU jobs are not preemptible (gpuswap before issue 13)")
     p.add_argument("--urgent-fraction", type=float, default=0.1,
                    help="share of jobs <= 15 min marked urgent when the trace has no class column")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +70,7 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: every `gpuswap` call registers this verb, and the engine's
     # imports (numpy among them) cost each CLI call ~0.1 s of CPU. A broken import still fails loudly.
-    from gpuswap.sim.costmodel import parse_cost_model
+    from gpuswap.sim.costmodel import parse_cost_model, parse_multi_rank
     from gpuswap.sim.engine import Cluster, SimError, simulate
     from gpuswap.sim.trace import TraceError, describe_skipped, load
 
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ram = parse_size(args.ram_per_node)
         model = parse_cost_model(args.switch_cost)
+        multi_rank = parse_multi_rank(getattr(args, "multi_rank", "cooperative"))
         trace = load(args.trace, seed=args.seed, urgent_fraction=args.urgent_fraction,
                      gpus_per_node=args.gpus_per_node, limit=args.limit)
     except (TraceError, ValueError) as e:
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             try:
                 r = simulate(trace.jobs, name, cluster=cluster, cost_model=model, config=config,
-                             tick_s=args.tick, progress=lambda done, _, t=task: bar.update(t, completed=done))
+                             tick_s=args.tick, multi_rank=multi_rank, progress=lambda done, _, t=task: bar.update(t, completed=done))
             except SimError as e:
                 print(f"gpuswap sim: internal error under policy {name}: {e}", file=sys.stderr)
                 return EX_SOFTWARE
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             summaries[name] = summarize(r) | {"wall_s": round(time.perf_counter() - t0, 2)}
     gpus = args.nodes * args.gpus_per_node
     title = (f"{len(trace.jobs):,} jobs on {args.nodes}x{args.gpus_per_node} = {gpus} GPUs, "
-             f"switch cost {model.name}, seed {args.seed}")
+             f"switch cost {model.name}, multi-rank {'cooperative' if multi_rank else 'none'}, "
+             f"seed {args.seed}")
     print_table(summaries, title)
     if trace.clamped:
         print(f"{trace.clamped} job(s) wider than a node were narrowed to {args.gpus_per_node} GPUs "
@@ -126,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 "clamped": trace.clamped, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                 "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
-                "min_runtime_s": args.min_runtime}
+                "min_runtime_s": args.min_runtime,
+                "multi_rank": "cooperative" if multi_rank else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")
     return 0

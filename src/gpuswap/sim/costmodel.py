@@ -9,7 +9,12 @@
   measured:F   as `gpuswap`, with the bandwidths a daemon measured on a real machine: F is the
                output of `gpuswap gpus --json` (its "bandwidths"), or a JSON object of
                SwitchCosts fields (ram_park_bps, ram_resume_bps, disk_write_bps, disk_read_bps,
-               ram_fixed_s, disk_fixed_s); fields it lacks keep the defaults.
+               ram_fixed_s, disk_fixed_s, and for multi-rank jobs group_teardown_s,
+               group_rebuild_s, host_copy_bps); fields it lacks keep the defaults.
+
+A job wider than one GPU is a data-parallel job of one rank per GPU; what it can be parked to and
+what a park costs come from policy/capability.py, as in the daemon. `--multi-rank none` models
+gpuswap before multi-rank support: such jobs are not preemptible at all.
 """
 from __future__ import annotations
 
@@ -27,6 +32,17 @@ class CostModel:
     name: str
     costs: SwitchCosts
     tiers: frozenset[str]
+
+
+MULTI_RANK_MODES = ("cooperative", "none")
+
+
+def parse_multi_rank(text: str) -> bool:
+    """`--multi-rank`: True when multi-GPU jobs park cooperatively (the default), False for none."""
+    mode = text.strip().lower()
+    if mode not in MULTI_RANK_MODES:
+        raise ValueError(f"unknown --multi-rank {text!r}; use {' or '.join(MULTI_RANK_MODES)}")
+    return mode == "cooperative"
 
 
 def _measured(path: str) -> CostModel:
@@ -70,8 +86,10 @@ def parse_cost_model(text: str) -> CostModel:
             raise ValueError(f"bad switch-cost {text!r}; write fixed:SECONDS, e.g. fixed:60")
         half = seconds / 2
         inf = float("inf")
+        # S per preemption whatever the job: a multi-rank job's group rebuild is in its restart.
         costs = SwitchCosts(ram_park_bps=inf, ram_resume_bps=inf, disk_write_bps=inf,
-                            disk_read_bps=inf, ram_fixed_s=half, disk_fixed_s=half)
+                            disk_read_bps=inf, ram_fixed_s=half, disk_fixed_s=half,
+                            group_teardown_s=0.0, group_rebuild_s=0.0, host_copy_bps=inf)
         return CostModel(f"checkpoint {seconds:g}s", costs, frozenset({"disk"}))
     raise ValueError(f"unknown switch-cost model {text!r}; use gpuswap, checkpoint, fixed:SECONDS "
                      "or measured:FILE")

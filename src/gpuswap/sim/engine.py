@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from gpuswap.policy import decide, decay_usage
+from gpuswap.policy.capability import park_s, parkability, resume_s
 from gpuswap.policy.model import (GpuView, JobView, Pause, Phase, PolicyConfig, Resume, Snapshot,
                                   Spill, Start)
 from gpuswap.sim.costmodel import CostModel, parse_cost_model
@@ -56,6 +57,7 @@ class SimJob:
     first_start: Optional[float] = None
     end: Optional[float] = None
     preemptions: int = 0
+    tiers: frozenset = frozenset()   # what it can be parked to (policy/capability.py), fixed per run
 
 
 @dataclass
@@ -71,6 +73,7 @@ class SimResult:
     events: int
     max_waiting: int
     usage: dict[str, float] = field(default_factory=dict)
+    multi_rank: bool = True
 
 
 class _RunningView(JobView):
@@ -92,8 +95,8 @@ class _RunningView(JobView):
                       mem_bytes=s.mem, submit_time=s.submit, phase_since=j.phase_since,
                       last_start=j.last_start, switch_s=j.switch_s, assigned=j.assigned,
                       parked=j.parked, parked_bytes=j.parked_bytes, preemptible=True,
-                      tiers=sim.model.tiers, holds_gpu_while_paused=False, node=j.node,
-                      weight=s.weight, residue_bytes=0)   # no residue in the simulator
+                      tiers=j.tiers, holds_gpu_while_paused=False, node=j.node,
+                      weight=s.weight, residue_bytes=0, width=s.gpus)   # no residue in the simulator
         for name, value in values.items():
             _SLOT[name].__set__(v, value)
         object.__setattr__(v, "_sim", sim)
@@ -122,8 +125,10 @@ _SLOT = {name: JobView.__dict__[name] for name in JobView.__slots__}
 class Simulator:
     def __init__(self, jobs: list[TraceJob], policy: str, cluster: Cluster = Cluster(),
                  cost_model: CostModel | str = "gpuswap", config: PolicyConfig = PolicyConfig(),
-                 tick_s: float = 60.0, progress: Optional[Callable[[int, int], None]] = None):
+                 tick_s: float = 60.0, progress: Optional[Callable[[int, int], None]] = None,
+                 multi_rank: bool = True):
         self.policy = policy
+        self.multi_rank = multi_rank
         self.progress = progress           # called now and then with (jobs finished, jobs)
         self.finished = 0
         self.cluster = cluster
@@ -134,7 +139,8 @@ class Simulator:
         if wide:
             raise ValueError(f"{len(wide)} job(s) need more GPUs than a node has ({cluster.gpus_per_node}), "
                              f"e.g. job {wide[0]}; load the trace with gpus_per_node={cluster.gpus_per_node}")
-        self.jobs = [SimJob(j, phase_since=j.submit) for j in sorted(jobs, key=lambda j: j.submit)]
+        self.jobs = [SimJob(j, phase_since=j.submit, tiers=self._tiers(j.gpus))
+                     for j in sorted(jobs, key=lambda j: j.submit)]
         self.gpus = tuple(GpuView(n * cluster.gpus_per_node + i, f"n{n:03d}", cluster.gpu_mem)
                           for n in range(cluster.nodes) for i in range(cluster.gpus_per_node))
         self.node_of = {g.id: g.node for g in self.gpus}
@@ -156,6 +162,11 @@ class Simulator:
         self.by_id = {j.spec.id: j for j in self.jobs}
         self.preemptive = policy not in ("fifo",)
         self.oracle = policy == "srtf-oracle"
+
+    def _tiers(self, width: int) -> frozenset:
+        """A trace job of w GPUs is a data-parallel job of w ranks with a cooperative runtime: what
+        capability.py lets it park to, within what the cost model offers."""
+        return parkability(width, "cooperative", "ddp", multi_rank=self.multi_rank).tiers & self.model.tiers
 
     # -- event plumbing ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, job: Optional[SimJob] = None) -> None:
@@ -211,8 +222,8 @@ class Simulator:
             return _RunningView.make(self, j)
         return JobView(s.id, s.user, s.priority, j.phase, s.gpus, s.mem, s.submit, j.phase_since,
                        j.last_start, j.attained, j.switch_s, j.run_s, j.assigned, j.parked,
-                       j.parked_bytes, True, self.model.tiers, False, j.node, s.weight,
-                       (s.duration - j.done) if self.oracle else None)
+                       j.parked_bytes, True, j.tiers, False, j.node, s.weight,
+                       (s.duration - j.done) if self.oracle else None, width=s.gpus)
 
     def _decide(self) -> bool:
         dt = self.now - self.last_usage_t
@@ -240,7 +251,7 @@ class Simulator:
                 self._stop_run(j)
                 self._set_phase(j, Phase.PAUSING)
                 nbytes = j.spec.mem * j.spec.gpus
-                cost = self.model.costs.park_s(nbytes, d.tier)
+                cost = park_s(self.model.costs, nbytes, d.tier, j.spec.gpus)
                 j.parked, j.parked_bytes, j.node = d.tier, nbytes, self.node_of[j.assigned[0]]
                 j.switch_s += cost
                 j.preemptions += 1
@@ -252,7 +263,7 @@ class Simulator:
                     raise SimError(f"t={self.now}: RAM-parked job {j.spec.id} resumed off its node {j.node}")
                 self._hold(j, d.gpus)
                 self._set_phase(j, Phase.RESUMING)
-                cost = self.model.costs.resume_s(j.parked_bytes, j.parked or "disk")
+                cost = resume_s(self.model.costs, j.parked_bytes, j.parked or "disk", j.spec.gpus)
                 j.switch_s += cost
                 self.switch_gpu_s += cost * j.spec.gpus
                 self._push(self.now + cost, _RESTORED, j)
@@ -345,7 +356,8 @@ class Simulator:
             raise SimError(f"GPUs still held at the end: {sorted(self.owner)[:8]}")
         makespan = max(j.end for j in self.jobs) - min(j.spec.submit for j in self.jobs)
         return SimResult(self.policy, self.model.name, self.cluster, self.jobs, makespan, self.busy,
-                         self.switch_gpu_s, self.calls, self.events, self.max_waiting, self.usage)
+                         self.switch_gpu_s, self.calls, self.events, self.max_waiting, self.usage,
+                         self.multi_rank)
 
 
 def simulate(jobs: list[TraceJob], policy: str, **kw) -> SimResult:
