@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from gpuswap.node.freezer import job_parkability, mechanism_for, tiers_for
+from gpuswap.node.messages import RankFact
 from gpuswap.node.observe import Observer
 from gpuswap.node.snapshot import job_view
 from gpuswap.node.store import NewJob, Store
@@ -71,11 +72,13 @@ def test_the_runtimes_world_size_becomes_the_jobs_width(tmp_path):
 def test_a_ranks_ram_refusal_makes_the_job_disk_only_and_says_why(tmp_path):
     store, job_id = _record(tmp_path)
     observer = Observer(store, None, None, None, 60.0, "wait")
-    ranks = [{"rank": 0, "ram_refusal": None}, {"rank": 1, "ram_refusal": "FSDP1 module"}]
+    # as the supervisor's status.json lists them once node/messages.py has validated them
+    ranks = [RankFact(rank=0).model_dump(), RankFact(rank=1, ram_refusal="FSDP1 module").model_dump()]
     observer._track_usage(store.get(job_id), {"attached": True, "world_size": 2, "ranks": ranks}, time.time())
     j = store.get(job_id)
     assert j.ram_refusal == "rank 1: FSDP1 module"
     assert tiers_for(j, False) == frozenset({"disk"})
     assert job_view(j).why_not == "no RAM park: rank 1: FSDP1 module; parks to disk"
-    observer._track_usage(j, {"ranks": [{"rank": 0}, {"rank": 1}]}, time.time())   # the refusal is gone
+    observer._track_usage(j, {"ranks": [RankFact(rank=0).model_dump(), RankFact(rank=1).model_dump()]},
+                          time.time())   # the refusal is gone
     assert store.get(job_id).ram_refusal is None and tiers_for(store.get(job_id), False) == frozenset({"ram", "disk"})
