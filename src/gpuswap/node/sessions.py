@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 
 def _stat(pid: int) -> Optional[tuple[str, int, int]]:
@@ -54,23 +54,7 @@ def members(sid: int, started: Optional[int] = None) -> list[int]:
 
 def kill(sid: int, started: Optional[int] = None) -> int:
     """SIGKILL every process of session `sid`; returns how many were still there (0: none left)."""
-    left = 0
-    for pid in members(sid, started):
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue                      # gone already
-        try:
-            st = _stat(pid)               # checked after the pidfd pins the process
-            if st is None or st[1] != sid or st[0] in ("Z", "X"):
-                continue
-            left += 1
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        finally:
-            os.close(fd)
-    return left
+    return _kill_each(members(sid, started), lambda pid, st: st[1] == sid)
 
 
 def kill_pids(records: list[tuple[int, Optional[int]]]) -> int:
@@ -78,15 +62,22 @@ def kill_pids(records: list[tuple[int, Optional[int]]]) -> int:
     job, which torchrun starts as session leaders of their own, outside the job's session.
     Returns how many were still alive (0: none left). A pid that now names a process started at
     another time, or a zombie, is left alone."""
+    started = dict(records)
+    return _kill_each(started, lambda pid, st: started[pid] is None or st[2] == started[pid])
+
+
+def _kill_each(pids: Iterable[int], still_ours: Callable[[int, tuple[str, int, int]], bool]) -> int:
+    """SIGKILL each pid that is still the process meant: pinned by a pidfd first, then checked
+    (not a zombie, `still_ours(pid, stat)`), so a recycled pid is never hit."""
     left = 0
-    for pid, started in records:
+    for pid in pids:
         try:
             fd = os.pidfd_open(pid)
         except OSError:
-            continue
+            continue                      # gone already
         try:
             st = _stat(pid)               # checked after the pidfd pins the process
-            if st is None or st[0] in ("Z", "X") or (started is not None and st[2] != started):
+            if st is None or st[0] in ("Z", "X") or not still_ours(pid, st):
                 continue
             left += 1
             signal.pidfd_send_signal(fd, signal.SIGKILL)
