@@ -76,7 +76,13 @@ def test_two_ranks_paused_to_ram_and_disk_and_spilled_end_bitwise_equal(make_dae
     d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram" and _events(j, "parked in RAM") == 2)
     assert d.cli("pause", str(job), "--to", "disk").returncode == 0
     _to_disk(d, job, 2)
-    _restarted(d, job, 2)
+    j = _restarted(d, job, 2)
+    # Each restart names the step its park named (a spill's is the RAM park's step).
+    parked = [e["reason"].split(" at step ")[1].split(" ")[0] for e in j["events"]
+              if e["reason"].startswith("parked to disk")]
+    restarted = [e["reason"].split(" at step ")[1].split(" ")[0] for e in j["events"]
+                 if e["reason"].startswith("restarted from its disk checkpoint")]
+    assert parked == restarted and len(parked) == 2, j["events"]
     gate.open()
     done = d.state(job, "COMPLETED", "FAILED")
     assert done["state"] == "COMPLETED", json.dumps(done["events"], indent=1)
