@@ -37,6 +37,8 @@ def _to_disk(d, job, n):
                 and _events(j, "parked to disk") == n)
     ls = d.cli("ls").stdout
     assert "PAUSED (parked on disk, 2 ranks," in ls, ls
+    show = d.cli("show", str(job)).stdout
+    assert "PAUSED (parked on disk, 2 ranks," in show and "written, pid" in show, show
     return j
 
 

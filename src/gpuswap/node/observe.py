@@ -195,6 +195,8 @@ class Observer:
                 and not job.cancel_requested and not ex.get("error")):
             nbytes = int(rt.get("bytes") or 0)
             self.bandwidths.observe("disk_write_bps", nbytes, rt.get("pause_s"))
+            if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
+                common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="disk", parked_bytes=nbytes, home_gpus=[],
                 step=rt.get("step"), mechanism="cooperative", **common,

@@ -100,6 +100,11 @@ class RankTable:
 
     # -- effects -----------------------------------------------------------------------------
     def route(self, effects: list[Effect]) -> None:
+        # One line per attempt's turn (not per message): what a stuck pause is read from.
+        told = sorted({e.msg.get("op", "?") for e in effects if isinstance(e, Send)})
+        if told:
+            self.log(f"phase {self.coord.phase}, epoch {self.coord.epoch}: sent {', '.join(told)}"
+                     + (f" ({self.coord.error})" if self.coord.error else ""))
         for e in effects:
             if isinstance(e, Send):
                 conn = self.by_rank.get(e.rank)
