@@ -3,16 +3,17 @@ small data-parallel trainings (gloo, CPU) with the two gpuswap lines, run under 
 as the reference, under plain torchrun.
 
     torchrun --nproc-per-node N mr_job.py --steps S --out DIR [--modes ddp,zero,fsdp2]
-             [--gate FILE --hold-at H] [--no-attach RANK] [--hang-in-park RANK]
-             [--block-rank R --block-file F]
+             [--gate FILE --hold-at H[,H2...]] [--no-attach RANK] [--hang-in-park RANK]
+             [--block-rank R --block-file F] [--fail-dir DIR]
 
 --modes: which trainings run, side by side in one process, one step of each per loop step
 (starting torchrun is most of a test's cost): `ddp` (DistributedDataParallel + AdamW), `zero`
 (DDP + ZeroRedundancyOptimizer over AdamW), `fsdp2` (fully_shard on every Linear and the root,
 AdamW over the DTensor parameters). All are attached; one pause parks them all, and the rank's
 regroup rebinds every one of them.
---gate: from step H on, the ranks keep calling `safepoint(H)` until FILE exists, so the test can
-pause and resume the job as often as it likes before it ends. Whether the gate is open is decided
+--gate: at step H (each of them) the ranks keep calling `safepoint(H)` until FILE or FILE.H exists,
+so the test can pause and resume the job as often as it likes before it goes on (several holds:
+a job restarted from a disk checkpoint goes on to the next one). Whether the gate is open is decided
 collectively (an all-reduce of each rank's look at the file), so every rank makes the same number
 of safepoint calls: ticks stay in step across ranks, as in any SPMD loop. Nothing trains while
 held, so the final state equals the reference's, which runs without a gate.
@@ -22,6 +23,10 @@ in its park, after its process group is destroyed (a rank hung mid-park).
 --block-rank/--block-file: while held at the gate, once FILE exists, that rank writes FILE.ack and
 then blocks outside any safepoint until FILE.go exists (a rank that does not reach the pause's
 common step: the test kills it during the agreement).
+--fail-dir: a test hook, in this script only: if DIR/part-r<R> exists when rank R writes its part
+of a disk checkpoint, the file is removed and the write fails (as a full disk would); if
+DIR/manifest exists when rank 0 is about to commit, rank 0 is SIGKILLed (its part is durable, the
+manifest is not written).
 
 Each rank writes, per mode, its parameters, optimizer state, RNG state, data generator and how
 many distinct default groups it trained with to DIR/MODE/rank{R}.pt, and leaves with os._exit
@@ -30,8 +35,10 @@ after destroying its group (a gloo group's destructor can deadlock at exit: pyto
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -137,12 +144,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--modes", default="ddp")
     ap.add_argument("--gate", default="")
-    ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--hold-at", default="")
     ap.add_argument("--no-attach", type=int, default=-1)
     ap.add_argument("--hang-in-park", type=int, default=-1)
     ap.add_argument("--block-rank", type=int, default=-1)
     ap.add_argument("--block-file", default="")
+    ap.add_argument("--fail-dir", default="")
     args = ap.parse_args()
+    holds = {int(h) for h in args.hold_at.split(",") if h}
     faulthandler.dump_traceback_later(600, exit=True)   # a hang ends with its stacks
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -155,6 +164,8 @@ def main() -> None:
     attached: dict[str, Any] = {"data": data}
     for mode, (model, opt) in trained.items():
         attached[f"{mode}_model"], attached[f"{mode}_optimizer"] = model, opt
+    if args.fail_dir:
+        fail_hooks(Path(args.fail_dir), rank)
     job = NoJob() if rank == args.no_attach else gpuswap.attach(**attached)
     if rank == args.hang_in_park:
         hang_in_park(job)
@@ -168,14 +179,15 @@ def main() -> None:
             opt.zero_grad(set_to_none=False)
         job.safepoint(step)
         seen_group(groups)
-        if args.gate and step == args.hold_at:
+        if args.gate and step in holds:
             deadline = time.monotonic() + 600
             while True:
                 if rank == args.block_rank and os.path.exists(args.block_file):
                     Path(args.block_file + ".ack").touch()
                     while not os.path.exists(args.block_file + ".go") and time.monotonic() < deadline:
                         time.sleep(0.05)
-                seen = torch.tensor([int(os.path.exists(args.gate) or time.monotonic() > deadline)])
+                is_open = os.path.exists(args.gate) or os.path.exists(f"{args.gate}.{step}")
+                seen = torch.tensor([int(is_open or time.monotonic() > deadline)])
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX)
                 if seen.item():
                     break
@@ -199,6 +211,27 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def fail_hooks(where: Path, rank: int) -> None:
+    """The failures test_mr_disk.py asks for, through the files it creates (see the docstring)."""
+    from gpuswap.runtime import ckparts
+
+    write_part, write_manifest = ckparts.write_part, ckparts.write_manifest
+
+    def part(directory, payload, seq=None):
+        flag = where / f"part-r{rank}"
+        if flag.exists():
+            flag.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return write_part(directory, payload, seq)
+
+    def manifest(*a, **kw):
+        if (where / "manifest").exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_manifest(*a, **kw)
+
+    ckparts.write_part, ckparts.write_manifest = part, manifest
 
 
 if __name__ == "__main__":
