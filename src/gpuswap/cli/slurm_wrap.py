@@ -150,7 +150,10 @@ class Wrapper:
             return EX_NOEXEC
         if self.coord is None:
             return exit_code(self.child.wait())
-        return self._run_coordinated(self.child)
+        try:
+            return self._run_coordinated(self.child)
+        finally:
+            self.coord.close()
 
     def _run_coordinated(self, child: "subprocess.Popen[bytes]") -> int:
         """Wait for the launcher; after a committed checkpoint, requeue and exit 75 whatever it did."""
@@ -225,7 +228,7 @@ def _coordinator(wrapper: Wrapper) -> Optional[Any]:
         print(f"gpuswap slurm-wrap: {why}; signals are forwarded only", file=sys.stderr, flush=True)
         return None
     try:
-        coord = slurmcoord.CoordServer(slurmcoord.private_dir() / "control", slurmcoord.timeout_s(),
+        coord = slurmcoord.CoordServer(slurmcoord.private_dir() / f"wrap-{os.getpid()}.sock", slurmcoord.timeout_s(),
                                        lambda reason: wrapper.on_kill(reason))
         coord.start()
     except OSError as exc:

@@ -238,15 +238,17 @@ def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | N
     global _bridge
     signals = parse_signals(env.get(ENV_SIGNALS, DEFAULT_SIGNALS))
     restarts = restart_count(env)
-    print(f"gpuswap: Slurm job {job.config.job_id} (restart {restarts}); checkpoints in "
+    rank = getattr(job, "world_size", 1) > 1
+    by_wrapper = rank and wrapped(env)   # slurm-wrap gets the signals and coordinates the ranks
+    who = f"rank {getattr(job, 'rank', 0)} of {getattr(job, 'world_size', 1)}; " if rank else ""
+    print(f"gpuswap: Slurm job {job.config.job_id} (restart {restarts}); {who}checkpoints in "
           f"{job.config.ckpt_dir}; preemption signals "
-          f"{','.join(s.name for s in signals) or 'none'}", file=sys.stderr, flush=True)
+          f"{'handled by gpuswap slurm-wrap' if by_wrapper else ','.join(s.name for s in signals) or 'none'}",
+          file=sys.stderr, flush=True)
     if restarts and job.restored_step is None:
         print("gpuswap: restarted by Slurm but no usable checkpoint: starting from step 0",
               file=sys.stderr, flush=True)
-    if getattr(job, "world_size", 1) > 1 and wrapped(env):
-        print(f"gpuswap: rank {getattr(job, 'rank', '?')}: gpuswap slurm-wrap gets the signals and "
-              "coordinates the checkpoint; this rank leaves signals alone", file=sys.stderr, flush=True)
+    if by_wrapper:
         return None
     if _bridge is not None:  # a second attach: one pipe and pump, pointed at the new job
         _bridge.job = job

@@ -128,12 +128,16 @@ class CoordServer:
 
     def preempt(self, why: str) -> Optional[str]:
         """A preemption signal: every rank checkpoints at a common step. Any number of requests
-        make one pause. Returns why the pause must wait (ranks not all attached yet), or None."""
+        make one pause. Returns why it cannot start now (ranks not all attached yet: it starts
+        when they are; or refused), or None."""
         with self.lock:
+            coord = self.table.coord
+            told = coord.error_at
             self.table._wanted = None     # a new signal is a new request, even after a withdrawn one
             self.table.want({"run": "paused", "tier": "disk"}, time.time())
-            coord = self.table.coord
-            waiting = coord.pausable() if coord.phase == "running" and coord.error is None else None
+            if coord.phase == "running" and coord.error_at != told:
+                return coord.error      # refused (RankTable said why)
+            waiting = coord.pausable() if coord.phase == "running" else None
         _log(f"{why}: every rank checkpoints at a common step" + (f" once it can ({waiting})" if waiting else ""))
         return waiting
 
