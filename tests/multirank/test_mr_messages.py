@@ -24,6 +24,11 @@ def test_agreement_messages_parse_with_exactly_the_fields_the_coordinator_reads(
     h = parse(op="hello", pid=10, rank=1, world_size=2, local_rank=1, epoch=4, state="parked",
               ram_refusal="an FSDP1 module")
     assert (h.rank, h.world_size, h.state, h.ram_refusal) == (1, 2, "parked", "an FSDP1 module")
+    part = parse(op="part", epoch=2, file="ckpt-000009.r1.pt", bytes=20133, sha256="ab" * 32, seconds=0.1)
+    assert (part.file, part.bytes) == ("ckpt-000009.r1.pt", 20133)
+    c = parse(op="committed", epoch=2, seq=9, path="/ck/ckpt-000009.json", bytes=5)
+    assert (c.seq, c.path) == (9, "/ck/ckpt-000009.json")
+    assert parse(op="hello", rank=0, world_size=2, restored_seq=9).restored_seq == 9
 
 
 @pytest.mark.parametrize("msg", [
@@ -39,6 +44,20 @@ def test_agreement_messages_parse_with_exactly_the_fields_the_coordinator_reads(
     {"op": "hold", "epoch": 1, "tick": 1.5},
     {"op": "ready", "epoch": "1", "tick": 1},
     {"op": "unparked"},
+    {"op": "part", "epoch": 1, "file": "../ckpt-000009.r1.pt", "bytes": 1, "sha256": "ab" * 32},   # a path
+    {"op": "part", "epoch": 1, "file": "/x/ckpt-000009.r1.pt", "bytes": 1, "sha256": "ab" * 32},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt\n", "bytes": 1, "sha256": "ab" * 32},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.json", "bytes": 1, "sha256": "ab" * 32},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": -1, "sha256": "ab" * 32},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": 2**60, "sha256": "ab" * 32},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": 1, "sha256": "AB" * 32},  # not lower hex
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": 1, "sha256": "ab" * 31},
+    {"op": "part", "epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": 1},
+    {"op": "committed", "epoch": 1, "seq": 0, "path": "/ck/x.json"},
+    {"op": "committed", "epoch": 1, "seq": 2**60, "path": "/ck/x.json"},
+    {"op": "committed", "epoch": 1, "seq": 3, "path": "/" + "x" * 5000},
+    {"op": "committed", "epoch": 1, "seq": 3},
+    {"op": "hello", "rank": 0, "world_size": 2, "restored_seq": -1},
 ])
 def test_bad_rank_messages_are_refused(msg):
     with pytest.raises(messages.BadMessage):

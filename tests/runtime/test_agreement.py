@@ -132,10 +132,12 @@ def test_disk_park_commits_every_part_then_every_rank_exits():
     commit = c.attempt.answered if c.attempt else {}
     assert commit == {}   # a new phase starts with no answers
     run(c, [(("msg", 1, "committed", {"path": "x"}), []),          # only rank 0 commits
-            (("msg", 0, "committed", {"path": "/ck/ckpt-3.json", "bytes": 12}), BOTH("exit"))])
+            (("msg", 0, "committed", {"path": "/ck/ckpt-3.json", "bytes": 12, "step": 40}), BOTH("exit"))])
     f = c.facts()
     assert (f["state"], f["ckpt_path"], f["bytes"]) == ("checkpointed", "/ck/ckpt-3.json", 12)
+    assert f["step"] == 40                                   # the checkpoint's step, not a stale report
     assert c.lost(0, T0) == [] and c.lost(1, T0) == []     # exiting is what they were told to do
+    assert c.poll(T0 + 1e6) == [] and c.phase == ag.CHECKPOINTED   # no deadline once committed
 
 
 def test_commit_lists_every_part_in_rank_order():

@@ -281,6 +281,23 @@ def test_zero_optimizer_saves_its_local_shard(one_rank_group, tmp_path):
     assert zero2.param_groups[0]["lr"] == 0.5 and zero2.optim.param_groups[0]["lr"] == 0.5
 
 
+def test_a_ram_park_reaches_the_zero_optimizers_shard(one_rank_group):
+    """ZeroRedundancyOptimizer's own `state` is empty (its shard's state lives in the local
+    optimizer, `zero.optim`): the tensors a park copies out must include that state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from gpuswap.runtime import objects
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    ddp(torch.randn(5, 4)).sum().backward()
+    zero.step()
+    assert not zero.state and zero.optim.state          # the case: nothing at the top level
+    found = {id(t) for t in objects.iter_tensors([classify("optimizer", zero)])}
+    shard = [t for st in zero.optim.state.values() for t in st.values() if torch.is_tensor(t)]
+    assert shard and all(id(t) in found for t in shard)
+
+
 def _buckets_of(ddp) -> list[list[int]]:
     index = {id(p): i for i, p in enumerate(ddp._build_params_for_reducer()[0])}
     return [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]

@@ -67,6 +67,11 @@ Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD)]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD)]
 Epoch = Annotated[StrictInt, Field(ge=0, le=MAX_EPOCH)]
 Tick = Annotated[StrictInt, Field(ge=0, le=MAX_STEP)]   # safepoint calls since attach
+Seq = Annotated[StrictInt, Field(ge=1, le=MAX_STEP)]     # a checkpoint's number
+# A part file of a multi-rank checkpoint: a bare name in the job's checkpoint directory, never a
+# path (runtime/ckparts.py names them; rank 0 checks the same pattern again before it commits).
+PartFile = Annotated[str, Field(strict=True, pattern=r"^ckpt-[0-9]{6,12}\.r[0-9]{1,4}\.pt$", max_length=40)]
+Sha256 = Annotated[str, Field(strict=True, pattern=r"^[0-9a-f]{64}$")]
 # Where a rank's cursor stands (runtime/rankcursor.py), said again in `hello` after a reconnect.
 CursorPhase = Literal["running", "asked", "holding", "ready", "parked", "unparked", "written"]
 # A rank as the coordinator lists it (runtime/agreement_state.py, RankState.state).
@@ -93,6 +98,7 @@ class Hello(_Msg):
     epoch: Optional[Epoch] = None           # the attempt its cursor is in, if any
     state: Optional[CursorPhase] = None
     ram_refusal: Optional[Text] = None      # why it cannot rebuild its process group in place
+    restored_seq: Optional[Seq] = None      # the multi-rank checkpoint it restored: all ranks must agree
 
 
 class Usage(_Msg):
@@ -167,6 +173,27 @@ class Unparked(_Msg):
     seconds: Optional[Seconds] = None
 
 
+class Part(_Msg):
+    """A rank's part of a multi-rank checkpoint is durable (runtime/ckparts.py `write_part`). The
+    rank is the connection's, not this message's: the coordinator sets it."""
+    op: Literal["part"]
+    epoch: Epoch
+    file: PartFile
+    bytes: Bytes
+    sha256: Sha256
+    seconds: Optional[Seconds] = None
+
+
+class Committed(_Msg):
+    """Rank 0 wrote the manifest: the checkpoint of every part is committed."""
+    op: Literal["committed"]
+    epoch: Epoch
+    seq: Seq
+    path: FsPath
+    bytes: Bytes = 0
+    step: Step = None                   # the user's step the checkpoint was taken at
+
+
 class Done(_Msg):
     """The rank finished training (close or exit): the job is no longer pausable."""
     op: Literal["done"]
@@ -181,10 +208,11 @@ class Preempt(_Msg):
 
 
 Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error, RestoreFailed, Mark, Hold, Ready, Unparked,
-                Done, Preempt]
+                Part, Committed, Done, Preempt]
 OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error", "restore_failed",
-                 "mark", "hold", "ready", "unparked", "done", "preempt"})
-RANK_OPS = frozenset({"usage", "paused", "resumed", "error", "mark", "hold", "ready", "unparked", "done"})
+                 "mark", "hold", "ready", "unparked", "part", "committed", "done", "preempt"})
+RANK_OPS = frozenset({"usage", "paused", "resumed", "error", "mark", "hold", "ready", "unparked", "part",
+                      "committed", "done"})
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="op")])
 
 
@@ -226,6 +254,7 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
         "restore_note": Optional[Note], "restore_failed": Note, "ckpt_note": Optional[Text],
+        "restored_seq": Optional[Seq],
         "world_size": Optional[WorldSize], "phase": Optional[Text], "not_pausable": Optional[Text],
         "ranks": Annotated[list[RankFact], Field(max_length=MAX_WORLD)],
     }.items()

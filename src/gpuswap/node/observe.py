@@ -107,8 +107,9 @@ class Observer:
             )
             return
         if _failed_since(rt, job.pause_requested_at):
+            err, lead = str(rt["error"]), "park failed, job keeps running: "
             self.store.update(job.id, now, state=JobState.RUNNING, desired="running", desired_tier=None,
-                              hold=False, event=f"park failed, job keeps running: {rt['error']}")
+                              hold=False, event=err if err.startswith(lead) else lead + err)  # multi-rank: said once
             return
         asked_for = now - (job.pause_requested_at or now)
         never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
@@ -187,7 +188,11 @@ class Observer:
         now = _exit_time(ex, now)
         code, sig = ex.get("code"), ex.get("signal")
         common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
-        if code == REQUEUE_EXIT_CODE and rt.get("state") == "checkpointed" and not job.cancel_requested:
+        # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
+        # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
+        multi = (rt.get("world_size") or 1) > 1
+        if ((code == REQUEUE_EXIT_CODE or multi) and rt.get("state") == "checkpointed"
+                and not job.cancel_requested and not ex.get("error")):
             nbytes = int(rt.get("bytes") or 0)
             self.bandwidths.observe("disk_write_bps", nbytes, rt.get("pause_s"))
             self.store.update(

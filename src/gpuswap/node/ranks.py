@@ -7,10 +7,10 @@ never taken for it). Those processes are what the supervisor and the daemon kill
 ends or cannot go on: torchrun starts each worker as a session leader of its own, outside the
 session the supervisor kills (docs/design/multi-rank.md section 0).
 
-The disk tier of a multi-rank job is not built yet (`disk_refusal` says why): a disk pause or a
-spill is refused here, before any rank is asked, and a RAM park that would have to become a disk
-park (a rank that cannot rebuild its group, more bytes than the RAM budget) is refused with that
-reason. Nothing unsafe is attempted.
+A disk park (or a spill from RAM, or a RAM park that must become one: a rank that cannot rebuild
+its group, more bytes than the RAM budget) is the coordinator's: every rank writes its part, rank 0
+the manifest, and once it is committed the job's verdict is "checkpointed" whatever the launcher's
+exit code (torchrun turns a rank's 75 into its own 1; design section 4).
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ from typing import Any, Callable, Optional
 
 from gpuswap.node import messages, sessions
 from gpuswap.runtime import channel
-from gpuswap.runtime.agreement import PARKED, REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
-
-DISK_NOT_BUILT = "disk parking of multi-rank jobs is not supported yet"
+from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
 
 
 @dataclass(frozen=True)
@@ -30,12 +28,6 @@ class RankProcess:
     rank: int
     pid: int
     start_ticks: Optional[int]
-
-
-def disk_refusal() -> Optional[str]:
-    """The seam the multi-rank disk tier fills: None once ranks can write their parts and rank 0
-    the manifest (runtime/ranks.py `write_part`)."""
-    return DISK_NOT_BUILT
 
 
 class RankTable:
@@ -49,6 +41,7 @@ class RankTable:
         self.by_rank: dict[int, socket.socket] = {}
         self.processes: dict[int, RankProcess] = {}      # by pid: every process that was a rank
         self._wanted: Optional[tuple[Any, ...]] = None
+        self.restored: dict[int, messages.Hello] = {}    # each rank's last hello: what it restored
 
     # -- inputs ------------------------------------------------------------------------------
     def hello(self, conn: socket.socket, msg: messages.Hello, peer_pid: Optional[int], now: float) -> bool:
@@ -68,7 +61,12 @@ class RankTable:
         self.conns[conn], self.by_rank[rank] = rank, conn
         if peer_pid is not None and peer_pid not in self.processes:
             self.processes[peer_pid] = RankProcess(rank, peer_pid, sessions.start_ticks(peer_pid))
+        self.restored[rank] = msg
         self.route(effects)
+        other = next((h for r, h in sorted(self.restored.items()) if h.restored_seq != msg.restored_seq), None)
+        if other is not None:     # the ranks would train on from different steps: never
+            self.route([Kill(f"the ranks restored different checkpoints (rank {other.rank}: "
+                             f"{_seq(other.restored_seq)}, rank {rank}: {_seq(msg.restored_seq)})")])
         return True
 
     def receive(self, conn: socket.socket, msg: messages.Message, now: float) -> None:
@@ -96,30 +94,9 @@ class RankTable:
             return
         self._wanted = key
         if run == "paused" and tier in ("ram", "disk"):
-            why = self._refusal(tier, key[2])
-            if why is not None:
-                self.coord.error, self.coord.error_at = why, now
-                self.log(why)
-                return
             self.route(self.coord.want("paused", tier, now, max_bytes=key[2]))
         else:
             self.route(self.coord.want("running", None, now))
-
-    def _refusal(self, tier: str, cap: Optional[int]) -> Optional[str]:
-        disk = disk_refusal()
-        if disk is None:
-            return None
-        if tier == "disk":
-            what = "spill to disk" if self.coord.phase == PARKED else "pause to disk"
-            return f"{what} refused: {disk}"
-        refusals = [f"rank {r.rank}: {r.ram_refusal}" for r in self.coord.ranks.values() if r.ram_refusal]
-        if refusals:
-            return (f"pause to RAM refused: cannot rebuild the process group ({'; '.join(refusals)}), "
-                    f"and {disk}")
-        total = sum(r.device_bytes for r in self.coord.ranks.values())
-        if cap is not None and total > cap:
-            return f"pause to RAM refused: {total} bytes exceed the RAM budget's {cap}, and {disk}"
-        return None
 
     # -- effects -----------------------------------------------------------------------------
     def route(self, effects: list[Effect]) -> None:
@@ -150,6 +127,14 @@ class RankTable:
         why = self.coord.pausable()
         if why is not None:
             out["not_pausable"] = why
+        if out.get("why_disk"):      # a RAM park became this disk park: the daemon's event says why
+            out["ckpt_note"] = f"RAM park refused: {out.pop('why_disk')}"
+        first = self.restored.get(0)
+        if first is not None:        # what the ranks restored at attach (all the same checkpoint)
+            out.update(restored_step=first.restored_step, restored_bytes=first.restored_bytes,
+                       restore_note=first.restore_note, restored_seq=first.restored_seq,
+                       restore_s=max((h.restore_s or 0.0 for h in self.restored.values()), default=0.0)
+                       if first.restore_s is not None else None)
         return out
 
     def pid_records(self) -> list[dict[str, Any]]:
@@ -158,3 +143,7 @@ class RankTable:
     def kill_all(self) -> int:
         """SIGKILL every process that was a rank and still is; how many were alive."""
         return sessions.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()])
+
+
+def _seq(seq: Optional[int]) -> str:
+    return f"checkpoint {seq}" if seq is not None else "none"

@@ -85,6 +85,7 @@ class Supervisor:
         # A multi-rank job (its first hello says world_size > 1): the ranks' connections and the
         # common-step coordinator (node/ranks.py); None for a single-rank job, which keeps `conn`.
         self.ranks: Optional[RankTable] = None
+        self._ended_checkpointed = False
         self.kill_reason: Optional[str] = None
         self.pause_timeout_s = float(self.spec.get("pause_timeout_s") or 60.0)
 
@@ -362,6 +363,20 @@ class Supervisor:
                 return None
             return f"the job's main process (its launcher) ended while the job was {phase}; its ranks were killed"
 
+    def _end_checkpointed(self) -> None:
+        """A committed multi-rank checkpoint and every rank gone: end what is left (the launcher),
+        under the lock. Left alone, torchrun with --max-restarts would start the ranks again on
+        GPUs the daemon is about to give away; the verdict is already "checkpointed"."""
+        assert self.ranks is not None
+        if self.ranks.coord.phase != "checkpointed" or self._ended_checkpointed:
+            return
+        if any(r.connected for r in self.ranks.coord.ranks.values()):
+            return
+        self._ended_checkpointed = True
+        self.log("checkpoint committed and every rank exited: ending the launcher")
+        self.signal_group(signal.SIGTERM)
+        self.ranks.kill_all()
+
     def _kill_rank_processes(self) -> int:
         with self.lock:
             return self.ranks.kill_all() if self.ranks is not None else 0
@@ -425,6 +440,7 @@ class Supervisor:
                 if self.ranks.facts() != before:
                     self._rank_facts()
                     changed = True
+                self._end_checkpointed()
         if self.ranks is not None:
             if changed:
                 self.write_status()

@@ -119,8 +119,8 @@ class Coordinator:
     def poll(self, now: float) -> list[Effect]:
         """Deadlines: a phase that outlives the pause timeout ends with its reason."""
         a = self.attempt
-        if a is None or now - a.since <= self.timeout_s:
-            return []
+        if a is None or self.phase == CHECKPOINTED or now - a.since <= self.timeout_s:
+            return []       # checkpointed: the job is done with; its exit is the launcher's
         late = sorted(set(self.ranks) - (a.ready if self.phase == AGREEING else set(a.answered)))
         who = ", ".join(f"rank {r} (at tick {self.ranks[r].tick})" for r in late) or "no rank"
         if self.phase == AGREEING:
@@ -289,6 +289,8 @@ class Coordinator:
         assert a is not None
         if rank != 0:
             return []
+        if isinstance(msg.get("step"), int):
+            self.ranks[0].step = msg["step"]      # where the checkpoint was taken (usage lags)
         self.result = {"tier": "disk", "bytes": int(msg.get("bytes") or 0), "step": self.ranks[0].step,
                        "pause_s": round(now - a.started, 6), "ckpt_path": msg.get("path")}
         if a.why_disk:

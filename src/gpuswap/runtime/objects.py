@@ -95,6 +95,10 @@ def iter_tensors(items: list[Attached]) -> Iterator[Any]:
                         yield p.grad
             for st in list(a.obj.state.values()):
                 yield from _walk(st)
+            inner = getattr(a.obj, "optim", None)     # ZeroRedundancyOptimizer: its shard's state
+            if isinstance(inner, sys.modules["torch"].optim.Optimizer) and inner is not a.obj:
+                for st in list(inner.state.values()):
+                    yield from _walk(st)
         elif a.kind == "tensor":
             yield a.obj
             if a.obj.grad is not None:

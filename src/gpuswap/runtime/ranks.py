@@ -11,8 +11,10 @@ The handle differs from the single-rank one in three ways only:
 * the training thread, at a flagged safepoint, carries out what the cursor says: wait, park
   (destroy the groups, then today's single-process park), unpark, regroup, release.
 
-The disk tier of a multi-rank job (each rank writes its part, rank 0 a manifest) is not built
-here: `write_part` is its seam, and until it is filled a disk park is refused with the reason.
+The disk tier (docs/design/multi-rank.md section 4): at `park{disk}` each rank writes its part of
+the checkpoint (`write_part`: from the device, or from the host copies when it spills from RAM),
+rank 0 commits the manifest at `commit` (`commit_parts`), every rank exits 75 at `exit`; at the
+next start every rank restores from the newest committed checkpoint (`restore_ranks`).
 """
 from __future__ import annotations
 
@@ -22,16 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from gpuswap.runtime import parking, pausing, simdevice
+from gpuswap.runtime import ckparts, objects, parking, rankstate, simdevice
 from gpuswap.runtime.handle import Job, RuntimeConfig
 from gpuswap.runtime.objects import Attached
 from gpuswap.runtime.rankcursor import (COMMIT, CONTINUE, EXIT, PARK, REGROUP, RELEASE, UNPARK, WAIT, WRITE,
                                         RankCursor)
-from gpuswap.runtime.regroup import Regroup
+from gpuswap.runtime.regroup import Regroup, _holders
 
 MAX_WORLD = 1024     # what the supervisor accepts (node/messages.py)
-
-DISK_NOT_BUILT = "disk parking of multi-rank jobs is not supported yet"
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class RankJob(Job):
     """The handle of one rank. Construct through `gpuswap.attach`."""
 
     __slots__ = ("tick", "rank", "world_size", "local_rank", "_cursor", "_regroup", "_park", "_ram_refusal",
-                 "_done")
+                 "_done", "restored_seq", "_payload")
 
     def __init__(self, items: list[Attached], config: RuntimeConfig, who: RankIdentity) -> None:
         super().__init__(items, config)
@@ -76,6 +76,8 @@ class RankJob(Job):
         self._park: Optional[parking.RamPark] = None
         self._ram_refusal = self._regroup.refusal()
         self._done = False
+        self.restored_seq: Optional[int] = None
+        self._payload: Optional[dict[str, Any]] = None   # the part a spill writes, taken at the RAM park
 
     # -- hot path --------------------------------------------------------------------------
     def safepoint(self, step: int) -> None:
@@ -152,7 +154,7 @@ class RankJob(Job):
                 if self._park is not None:
                     parking.drop_host(self._park)
                 nbytes = self._park.nbytes if self._park else 0
-                self._park = None
+                self._park, self._payload = None, None
                 return True, {"bytes": nbytes, "seconds": round(time.perf_counter() - t0, 6)}
             if action == RELEASE:
                 if self._park is not None and not self._park.released:
@@ -161,8 +163,11 @@ class RankJob(Job):
                 return True, {}
             if action == WRITE:
                 return True, write_part(self)
-            if action in (COMMIT, EXIT):
-                raise RuntimeError(DISK_NOT_BUILT)
+            if action == COMMIT:
+                return True, commit_parts(self, self._cursor.parts)
+            if action == EXIT:
+                self._done = True            # not `done`: the job is checkpointed, not finished
+                self.exit_requeue()          # SystemExit: not caught below
             raise RuntimeError(f"unknown action {action!r}")
         except Exception as exc:
             text = f"{action} failed: {type(exc).__name__}: {exc}"
@@ -174,7 +179,16 @@ class RankJob(Job):
         if refusal:
             raise parking.ParkRefused(refusal, disk_ok=True)
         self._regroup.teardown()
-        park, _ = pausing._park(self, "ram", want_payload=False)
+        park = parking.copy_to_host(objects.iter_tensors(self._items), self.config.simulated, "ram")
+        try:
+            # Taken now, as views of the host copies, for a spill: once released, a tensor parked
+            # by pointing it at a placeholder (a storage torch cannot resize, e.g. one torch.load
+            # made at a restore) has no host view any more.
+            self._payload = part_payload(self, park) if self.config.ckpt_dir else None
+            parking.release(park, self.config.simulated)
+        except BaseException:
+            parking.drop_host(park)
+            raise
         self._park = park
         self._mark_parked()
         return {"bytes": park.nbytes, "seconds": round(time.perf_counter() - t0, 6), "step": self.step}
@@ -194,7 +208,7 @@ class RankJob(Job):
         with self._cond:
             phase, epoch = self._cursor.phase, self._cursor.epoch
         msg.update(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                   state=phase, epoch=epoch, ram_refusal=self._ram_refusal)
+                   state=phase, epoch=epoch, ram_refusal=self._ram_refusal, restored_seq=self.restored_seq)
         return msg
 
     def close(self) -> None:
@@ -206,15 +220,66 @@ class RankJob(Job):
         super().close()
 
 
+def related(items: list[Attached]) -> list[Any]:
+    """The DDP wrappers the job did not attach (a script may attach the module inside one): their
+    replicated parameters go into rank 0's part once, and their bucket layout into every part."""
+    attached = {id(a.obj) for a in items}
+    return [w for w in rankstate.ddp_wrappers(_holders(items)) if id(w) not in attached]
+
+
 def write_part(job: RankJob) -> dict[str, Any]:
-    """The disk tier's seam: write this rank's part of a multi-rank checkpoint and return what
-    `part{...}` reports (file, bytes, sha256, seconds). Not built yet: raising here makes the
-    coordinator resume every rank (nothing was torn down for a disk park)."""
-    raise RuntimeError(DISK_NOT_BUILT)
+    """At `park{disk}`, in the training thread at the common tick: write this rank's part and
+    return what `part{...}` reports (file, bytes, sha256, seconds). From running the state is
+    copied off the device (nothing is released: a failed write leaves the job as it was); a spill
+    from RAM reads the parked host copies and touches neither the device nor the group."""
+    cfg = job.config
+    if not cfg.ckpt_dir:
+        raise RuntimeError("no $GPUSWAP_CKPT_DIR for this job")
+    payload = job._payload if job._park is not None else None
+    if payload is None:
+        if job._park is not None:
+            raise RuntimeError("no checkpoint payload was taken at the RAM park")
+        payload = part_payload(job, None)
+    report = ckparts.write_part(cfg.ckpt_dir, payload)
+    report.pop("rank", None)        # the supervisor knows which rank this connection is
+    return report
+
+
+def part_payload(job: RankJob, park: Optional[parking.RamPark]) -> dict[str, Any]:
+    """This rank's part (rankstate.py): from `park`'s host copies, else copied off the device."""
+
+    def to_host(t: Any) -> Any:
+        view = park.host_view(t) if park is not None else None
+        return view if view is not None else t.detach().cpu()
+
+    return rankstate.part_payload(job._items, job.state, rank=job.rank, world_size=job.world_size,
+                                  step=job.step, tick=job.tick, job_id=job.config.job_id, to_host=to_host,
+                                  related=related(job._items))
+
+
+def commit_parts(job: RankJob, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0 at `commit{parts}`: write the manifest that makes every part one checkpoint; what
+    `committed{...}` reports."""
+    cfg = job.config
+    if not cfg.ckpt_dir:
+        raise RuntimeError("no $GPUSWAP_CKPT_DIR for this job")
+    info = ckparts.write_manifest(cfg.ckpt_dir, parts, step=job.step, tick=job.tick,
+                                  world_size=job.world_size, job_id=cfg.job_id)
+    return {"seq": info.seq, "path": os.path.join(cfg.ckpt_dir, info.manifest), "bytes": info.bytes,
+            "step": info.step}
 
 
 def restore_ranks(job: RankJob) -> None:
-    """The disk tier's other seam: at attach, restore this rank from the newest committed
-    multi-rank checkpoint. No multi-rank checkpoint is ever written yet, so there is none to read;
-    a single-rank checkpoint in the directory is not this job's format and is left alone."""
-    return None
+    """At attach, before the first forward: restore this rank from the newest committed
+    multi-rank checkpoint (every rank verifies every part, so all choose the same one; the
+    supervisor checks `restored_seq` all the same). None usable: `restore_failed`, exit 1."""
+    cfg = job.config
+    if not cfg.ckpt_dir:
+        return
+    done = rankstate.restore_latest(cfg.ckpt_dir, cfg.control, job._items, job.state, job.rank,
+                                    job.world_size, related(job._items))
+    job.restore_note = done.note
+    if done.step is None:
+        return
+    job.restored_step, job.start_step, job.restored_seq = done.step, done.start_step, done.seq
+    job.restored_bytes, job.restore_s = done.bytes, done.seconds
