@@ -132,6 +132,9 @@ class CoordServer:
         when they are; or refused), or None."""
         with self.lock:
             coord = self.table.coord
+            if coord.phase not in ("running", "agreeing"):
+                _log(f"{why}: the checkpoint is already {coord.phase}")
+                return None
             told = coord.error_at
             self.table._wanted = None     # a new signal is a new request, even after a withdrawn one
             self.table.want({"run": "paused", "tier": "disk"}, time.time())
