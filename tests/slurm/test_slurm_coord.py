@@ -3,7 +3,6 @@ and without torch: its private directory, the refusals, and the agreement over r
 two ranks played by the test (one of them asking for the pause, as a rank's signal handler does)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import stat
@@ -86,7 +85,7 @@ def test_a_preempt_request_stops_both_ranks_at_one_tick_and_commits(tmp_path: Pa
         assert not server.committed.is_set()
         r0.sendall(channel.encode({"op": "committed", "epoch": e, "seq": 1, "path": "/x/ckpt-000001.json",
                                    "bytes": 20}))
-        _expect(lines, r0, 0, "exit"), _expect(lines, r1, 1, "exit")
+        assert _expect(lines, r0, 0, "exit")["epoch"] == e and _expect(lines, r1, 1, "exit")["epoch"] == e
         assert server.committed.wait(30) and not killed
     finally:
         server.close()
