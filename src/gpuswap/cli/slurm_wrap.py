@@ -11,6 +11,14 @@ its next safepoint and exits 75). With `--park` and the CUDA driver's checkpoint
 moved to host RAM and the GPU freed; SIGCONT (Slurm's resume after a SUSPEND preemption)
 restores it. The wrapper exits with the child's exit code, or 128+N if a signal N killed it,
 as a shell would, so Slurm's ExitCode and RequeueExit see what the child did.
+
+Multi-rank jobs (`exec gpuswap slurm-wrap -- torchrun --nproc-per-node N train.py`): the wrapper
+also serves the in-job coordinator (`runtime/slurmcoord.py`) on a socket in a private directory
+and gives its address to CMD (`$GPUSWAP_CONTROL`), so every rank attaches to it. Once ranks have
+attached, a signal is not forwarded (torchrun's agent dies of SIGUSR2): it becomes a disk pause
+of every rank at a common step. After the checkpoint is committed the wrapper lets the launcher
+end, requeues the job (`scontrol requeue`) and exits 75 itself, whatever the launcher's code:
+torchrun turns a rank's exit 75 into SIGTERMs to the others and exit 1.
 """
 from __future__ import annotations
 
@@ -22,11 +30,13 @@ import sys
 import threading
 from typing import Any, Optional
 
+from gpuswap.jobs import REQUEUE_EXIT_CODE
 from gpuswap.runtime.slurm import DEFAULT_SIGNALS, ENV_SIGNALS, parse_signals
 
 EX_USAGE = 64
 EX_NOEXEC = 126
 EX_NOTFOUND = 127
+LAUNCHER_GRACE_S = 60.0   # after the commit: the ranks exit 75, torchrun stops the rest (its own 30 s)
 
 
 def register(sub: Any) -> None:
@@ -75,8 +85,10 @@ def _transparent() -> Optional[Any]:
 class Wrapper:
     """Child process + signal routing. Handlers only record; the main thread acts."""
 
-    def __init__(self, cmd: list[str], signals: list[signal.Signals], driver: Optional[Any]) -> None:
+    def __init__(self, cmd: list[str], signals: list[signal.Signals], driver: Optional[Any],
+                 coord: Optional[Any] = None) -> None:
         self.cmd, self.signals, self.driver = cmd, signals, driver
+        self.coord = coord        # slurmcoord.CoordServer: the ranks of a multi-rank CMD attach to it
         self.child: Optional[subprocess.Popen[bytes]] = None
         self.parked = False
         self._lock = threading.Lock()
@@ -95,6 +107,9 @@ class Wrapper:
                     self.driver.unlock(child.pid)
                     self.parked = False
                     print("gpuswap slurm-wrap: restored the child's GPU memory", file=sys.stderr, flush=True)
+                return
+            if self.coord is not None and self.coord.attached():
+                self.coord.preempt(f"slurm-wrap got {signal.Signals(signum).name}")
                 return
             if self.driver is not None and not self.parked:
                 try:
@@ -119,20 +134,65 @@ class Wrapper:
             signal.signal(sig, self._on_signal)
         if self.driver is not None:
             signal.signal(signal.SIGCONT, self._on_signal)
+        env = None
+        if self.coord is not None:
+            from gpuswap.runtime import channel
+
+            env = dict(os.environ, **{channel.ENV_CONTROL: str(self.coord.path)})
         try:
             with self._lock:  # a signal arriving while the child starts waits for it, then is forwarded
-                self.child = subprocess.Popen(self.cmd)
+                self.child = subprocess.Popen(self.cmd, env=env)
         except FileNotFoundError:
             print(f"gpuswap slurm-wrap: {self.cmd[0]}: command not found", file=sys.stderr)
             return EX_NOTFOUND
         except PermissionError as exc:
             print(f"gpuswap slurm-wrap: {exc}", file=sys.stderr)
             return EX_NOEXEC
-        while True:
+        if self.coord is None:
+            return exit_code(self.child.wait())
+        try:
+            return self._run_coordinated(self.child)
+        finally:
+            self.coord.close()
+
+    def _run_coordinated(self, child: "subprocess.Popen[bytes]") -> int:
+        """Wait for the launcher; after a committed checkpoint, requeue and exit 75 whatever it did."""
+        assert self.coord is not None
+        while child.poll() is None and not self.coord.committed.is_set():
+            self.coord.committed.wait(0.5)
+        if self.coord.committed.is_set():
             try:
-                return exit_code(self.child.wait())
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
+                child.wait(LAUNCHER_GRACE_S)
+            except subprocess.TimeoutExpired:
+                print(f"gpuswap slurm-wrap: the launcher is still running {LAUNCHER_GRACE_S:g} s after the "
+                      "checkpoint; stopping it", file=sys.stderr, flush=True)
+                child.terminate()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+        code = exit_code(child.wait())
+        self.coord.kill_ranks()      # torchrun's workers lead sessions of their own: none outlives it
+        if not self.coord.committed.is_set():
+            return code
+        from gpuswap.runtime import slurm
+        from gpuswap.runtime.handle import RuntimeConfig
+
+        print(f"gpuswap slurm-wrap: the launcher exited {code} after the checkpoint; requeueing and exiting "
+              f"{REQUEUE_EXIT_CODE}", file=sys.stderr, flush=True)
+        slurm.requeue(RuntimeConfig(job_id=os.environ.get("SLURM_JOB_ID"), control=None, ckpt_dir=None,
+                                    simulated=False, slurm=True), owner=True)
+        return REQUEUE_EXIT_CODE
+
+    def on_kill(self, reason: str) -> None:
+        """The coordinator's verdict that the job cannot go on (a rank died mid-checkpoint)."""
+        print(f"gpuswap slurm-wrap: ending the job: {reason}", file=sys.stderr, flush=True)
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.terminate()
+        if self.coord is not None:
+            self.coord.kill_ranks()
 
 
 def cmd_slurm_wrap(a: argparse.Namespace) -> int:
@@ -148,4 +208,31 @@ def cmd_slurm_wrap(a: argparse.Namespace) -> int:
         print(f"gpuswap slurm-wrap: {exc}", file=sys.stderr)
         return EX_USAGE
     driver = _transparent() if a.park else None
-    return Wrapper(cmd, signals, driver).run()
+    wrapper = Wrapper(cmd, signals, driver)
+    if driver is None:
+        wrapper.coord = _coordinator(wrapper)
+    return wrapper.run()
+
+
+def _coordinator(wrapper: Wrapper) -> Optional[Any]:
+    """The in-job coordinator for a multi-rank CMD, under Slurm on one node; None (and why, when
+    it matters) otherwise: a single-rank CMD never connects and is served exactly as before."""
+    from gpuswap.runtime import slurm
+
+    if not slurm.detect():
+        return None
+    from gpuswap.runtime import slurmcoord
+
+    why = slurmcoord.why_not()
+    if why is not None:
+        print(f"gpuswap slurm-wrap: {why}; signals are forwarded only", file=sys.stderr, flush=True)
+        return None
+    try:
+        coord = slurmcoord.CoordServer(slurmcoord.private_dir() / f"wrap-{os.getpid()}.sock", slurmcoord.timeout_s(),
+                                       lambda reason: wrapper.on_kill(reason))
+        coord.start()
+    except OSError as exc:
+        print(f"gpuswap slurm-wrap: cannot serve the ranks' coordinator ({exc}); signals are forwarded only",
+              file=sys.stderr, flush=True)
+        return None
+    return coord

@@ -200,10 +200,17 @@ class Done(_Msg):
     step: Step = None
 
 
+class Preempt(_Msg):
+    """Under Slurm only: a rank got a preemption signal and asks the in-job coordinator for a disk
+    pause of the whole job (runtime/slurmcoord.py). A supervisor ignores it."""
+    op: Literal["preempt"]
+    signal: Optional[Annotated[str, Field(strict=True, max_length=16)]] = None
+
+
 Message = Union[Hello, Usage, Paused, Resumed, Checkpointed, Error, RestoreFailed, Mark, Hold, Ready, Unparked,
-                Part, Committed, Done]
+                Part, Committed, Done, Preempt]
 OPS = frozenset({"hello", "usage", "paused", "resumed", "checkpointed", "error", "restore_failed",
-                 "mark", "hold", "ready", "unparked", "part", "committed", "done"})
+                 "mark", "hold", "ready", "unparked", "part", "committed", "done", "preempt"})
 RANK_OPS = frozenset({"usage", "paused", "resumed", "error", "mark", "hold", "ready", "unparked", "part",
                       "committed", "done"})
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="op")])

@@ -318,10 +318,14 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
             return NullJob(plain)
     global _active
     who = None
-    if config.control and not config.slurm:
+    if config.control:     # under Slurm only a rank of a multi-rank job has one (runtime/slurm.py)
         from gpuswap.runtime import ranks
 
         who = ranks.identity(group=ranks.default_group())
+        if config.slurm and who.world_size > 1:
+            from gpuswap.runtime import slurm
+
+            slurm.coordinate(config, who)   # rank 0 of `srun --ntasks N` serves the coordinator
     if who is not None and who.world_size > 1:     # a rank of a multi-rank job (runtime/ranks.py)
         job: Job = ranks.RankJob(items, config, who)
         ranks.restore_ranks(job)

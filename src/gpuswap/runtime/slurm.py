@@ -13,6 +13,12 @@ After the checkpoint is durable the job requeues itself with `scontrol requeue $
 (`$GPUSWAP_SLURM_REQUEUE=scontrol`, the default) and exits with REQUEUE_EXIT_CODE (75); with
 `$GPUSWAP_SLURM_REQUEUE=exit` it only exits 75 and leaves the requeue to Slurm
 (`RequeueExit=75`, or PreemptMode=REQUEUE finishing the preemption).
+
+A multi-rank job (torchrun under `gpuswap slurm-wrap`, or `srun --ntasks N`) stops every rank at
+one step through the in-job coordinator (`slurmcoord.py`): under `slurm-wrap` the wrapper serves
+it and gets the signal itself (its `$GPUSWAP_CONTROL` reaches every rank); otherwise rank 0 serves
+it on a thread and each rank's signal asks it for the pause. The coordinator's owner, not the
+ranks, requeues the job once every part and the manifest are written.
 """
 from __future__ import annotations
 
@@ -53,19 +59,100 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
 
 
 def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | None":
-    """The runtime's configuration for a Slurm job, or None outside Slurm."""
+    """The runtime's configuration for a Slurm job, or None outside Slurm (and for a multi-rank
+    job that cannot be coordinated: it trains on as outside gpuswap, with one line saying why)."""
     from gpuswap.runtime import channel
     from gpuswap.runtime.handle import RuntimeConfig
 
     if not detect(env):
         return None
+    control = None
+    from gpuswap.runtime.ranks import identity
+
+    who = identity(env)
+    if who.world_size > 1:
+        control = coordinator_address(who, env)
+        if control is None:
+            return None
     return RuntimeConfig(
         job_id=env["SLURM_JOB_ID"],
-        control=None,
+        control=control,
         ckpt_dir=env.get(channel.ENV_CKPT_DIR) or default_ckpt_dir(env),
         simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
         slurm=True,
     )
+
+
+def wrapped(env: Mapping[str, str] = os.environ) -> bool:
+    """`gpuswap slurm-wrap` serves the coordinator (and gets the signals): it set $GPUSWAP_CONTROL."""
+    from gpuswap.runtime import channel
+
+    return bool(env.get(channel.ENV_CONTROL))
+
+
+def coordinator_address(who: Any, env: Mapping[str, str] = os.environ) -> str | None:
+    """Where a rank of a multi-rank Slurm job finds the coordinator: the wrapper's socket, else the
+    one rank 0 serves in the job's private directory (every rank checks that directory is ours,
+    creating it if it is the first). None, with the reason on stderr, if it cannot be coordinated."""
+    from gpuswap.runtime import channel, slurmcoord
+
+    why = slurmcoord.why_not(env)
+    if why is None and wrapped(env):
+        return env[channel.ENV_CONTROL]
+    if why is None:
+        try:
+            step = env.get("SLURM_STEP_ID") or "batch"
+            return str(slurmcoord.private_dir(env) / f"step-{step}.sock")
+        except OSError as exc:
+            why = f"no private directory for the coordinator's socket ({exc})"
+    print(f"gpuswap: rank {who.rank} of {who.world_size}: {why}; a preemption will not checkpoint this "
+          "job (it trains on as outside gpuswap)", file=sys.stderr, flush=True)
+    return None
+
+
+_server: Any = None            # the coordinator this process serves (rank 0 of an srun-form job)
+_requeues_here = True          # False in a rank whose coordinator's owner requeues the job
+
+
+def coordinate(config: "RuntimeConfig", who: Any, env: Mapping[str, str] = os.environ) -> None:
+    """Before a rank of a multi-rank Slurm job connects: rank 0 of an srun-form job starts the
+    coordinator on a thread (once per process), and requeues the job after it commits."""
+    global _server, _requeues_here
+    _requeues_here = False
+    if wrapped(env) or who.rank != 0 or _server is not None or config.control is None:
+        return
+    from pathlib import Path
+
+    from gpuswap.runtime import slurmcoord
+
+    def on_kill(reason: str) -> None:
+        print(f"gpuswap: ending the job: {reason}", file=sys.stderr, flush=True)
+        server.kill_ranks(but=os.getpid())
+        os._exit(1)
+
+    server = slurmcoord.CoordServer(Path(config.control), slurmcoord.timeout_s(env), on_kill)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"gpuswap: rank 0 cannot serve the coordinator at {config.control} ({exc}); "
+              "a preemption will not checkpoint this job", file=sys.stderr, flush=True)
+        return
+    _server = server
+    done = threading.Thread(target=_requeue_after_commit, args=(server, config, env), name="gpuswap-requeue",
+                            daemon=True)
+    done.start()
+    import atexit
+
+    def finish() -> None:      # rank 0 exits right after the commit: let the requeue finish first
+        if server.committed.is_set():
+            done.join(REQUEUE_TIMEOUT_S * 2)
+
+    atexit.register(finish)
+
+
+def _requeue_after_commit(server: Any, config: "RuntimeConfig", env: Mapping[str, str]) -> None:
+    server.committed.wait()
+    requeue(config, env, owner=True)
 
 
 def parse_signals(text: str, source: str = ENV_SIGNALS) -> list[signal.Signals]:
@@ -135,7 +222,12 @@ class SignalBridge:
                 self.received.append(name)
                 print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
                       file=sys.stderr, flush=True)
-            self.job.request_pause("disk")
+            if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
+                if not self.job._send({"op": "preempt", "signal": name}):
+                    print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
+                          "the checkpoint", file=sys.stderr, flush=True)
+            else:
+                self.job.request_pause("disk")
 
 
 _bridge: SignalBridge | None = None
@@ -146,12 +238,18 @@ def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | N
     global _bridge
     signals = parse_signals(env.get(ENV_SIGNALS, DEFAULT_SIGNALS))
     restarts = restart_count(env)
-    print(f"gpuswap: Slurm job {job.config.job_id} (restart {restarts}); checkpoints in "
+    rank = getattr(job, "world_size", 1) > 1
+    by_wrapper = rank and wrapped(env)   # slurm-wrap gets the signals and coordinates the ranks
+    who = f"rank {getattr(job, 'rank', 0)} of {getattr(job, 'world_size', 1)}; " if rank else ""
+    print(f"gpuswap: Slurm job {job.config.job_id} (restart {restarts}); {who}checkpoints in "
           f"{job.config.ckpt_dir}; preemption signals "
-          f"{','.join(s.name for s in signals) or 'none'}", file=sys.stderr, flush=True)
+          f"{'handled by gpuswap slurm-wrap' if by_wrapper else ','.join(s.name for s in signals) or 'none'}",
+          file=sys.stderr, flush=True)
     if restarts and job.restored_step is None:
         print("gpuswap: restarted by Slurm but no usable checkpoint: starting from step 0",
               file=sys.stderr, flush=True)
+    if by_wrapper:
+        return None
     if _bridge is not None:  # a second attach: one pipe and pump, pointed at the new job
         _bridge.job = job
     if threading.current_thread() is not threading.main_thread():
@@ -177,10 +275,11 @@ def job_state(job_id: str) -> str | None:
     return None
 
 
-def requeue(config: "RuntimeConfig", env: Mapping[str, str] = os.environ) -> bool:
+def requeue(config: "RuntimeConfig", env: Mapping[str, str] = os.environ, owner: bool = False) -> bool:
     """After a durable checkpoint: ask Slurm to requeue this job (unless told to leave it to
-    Slurm). Returns whether `scontrol requeue` succeeded."""
-    if env.get(ENV_REQUEUE, "scontrol") == "exit":
+    Slurm). Returns whether `scontrol requeue` succeeded. A rank of a multi-rank job leaves this
+    to the coordinator's owner (`owner=True`), so the job is requeued once."""
+    if env.get(ENV_REQUEUE, "scontrol") == "exit" or not (owner or _requeues_here):
         return False
     job_id = env.get("SLURM_JOB_ID") or config.job_id
     state = job_state(str(job_id))
