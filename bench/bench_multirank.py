@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -49,6 +48,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from gpuswap.api.client import Client, ClientError  # noqa: E402
+from bench_daemon import machine as daemon_machine  # noqa: E402  (bench/ is on sys.path: run as a script)
 
 # The job: trains until STOP exists; a safepoint every step. One process (the reference) or a
 # torchrun rank (DDP over gloo). At the end it prints its median step time.
@@ -95,19 +95,10 @@ os._exit(0)   # gloo's destructors can deadlock at interpreter exit (pytorch#562
 
 
 def machine() -> str:
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """bench_daemon's machine line (CPU, cores, Python), plus the load at start and torch."""
     import torch
 
-    load = os.getloadavg()[0]
-    return (f"{cpu}, {os.cpu_count()} cores (load {load:.1f} at start), Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    return f"{daemon_machine()} (load {os.getloadavg()[0]:.1f} at start), torch {torch.__version__}"
 
 
 class BenchDaemon:
