@@ -41,7 +41,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import gpuswap
-from gpuswap.runtime import pausing
+from gpuswap.runtime import prerestore
 from gpuswap.runtime.handle import RuntimeConfig
 
 STATE_NAME = "hf_trainer"  # attach name of the Trainer's checkpoint files
@@ -116,11 +116,15 @@ class SafepointCallback(TrainerCallback):
         config = _runtime_config()
         if self.trainer is None or config is None or not config.ckpt_dir:
             return
-        _, payload = pausing.choose_or_exit(config)  # none usable: exits, never a silent restart
-        entry = payload["objects"].get(STATE_NAME) if payload else None
-        if entry is None:
+        saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart
+        if saved is None or saved.own is None:
             return
-        self.resume_dir = _unpack(entry["state"]["files"])
+        # Several processes: the Trainer saved weights, optimizer, scheduler and scaler from the
+        # main process only, and rng_state_{rank}.pth on every rank, but every rank loads them all
+        # from the directory it resumes from: rank 0's files, then this rank's own over them.
+        files = dict(saved.rank0["files"]) if saved.rank0 is not None else {}
+        files.update(saved.own["files"])
+        self.resume_dir = _unpack(files)
         train = self.trainer.train
 
         @functools.wraps(train)

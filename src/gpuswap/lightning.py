@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 
 import gpuswap
-from gpuswap.runtime import pausing
+from gpuswap.runtime import prerestore
 from gpuswap.runtime.handle import RuntimeConfig
 
 STATE_NAME = "lightning"          # the attach name of Lightning's checkpoint dict
@@ -108,17 +108,16 @@ class SafepointCallback(pl.Callback):
         config = _runtime_config()
         if config is None or not config.ckpt_dir:
             return
-        _, payload = pausing.choose_or_exit(config)  # none usable: exits, never a silent restart
-        if payload is None:
+        saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart
+        if saved is None:
             return
-        entry = payload["objects"].get(STATE_NAME)
-        if entry is None:
+        if saved.own is None:
             print("gpuswap: the checkpoint has no Lightning state; not restoring it", file=sys.stderr)
             return
         connector = trainer._checkpoint_connector
         if connector._loaded_checkpoint:
             print("gpuswap: a ckpt_path was given too; the gpuswap checkpoint wins", file=sys.stderr)
-        connector._loaded_checkpoint = entry["state"]  # Lightning restores from it as from a file
+        connector._loaded_checkpoint = saved.own  # Lightning restores from it as from a file
         self._restored = True
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -81,7 +81,8 @@ def main(out: str) -> None:
                  epoch=trainer.state.epoch, params=digest(model.state_dict()),
                  optimizer=digest(trainer.optimizer.state_dict()), rng=digest(torch.get_rng_state()),
                  lr=trainer.optimizer.param_groups[0]["lr"], samples=SEEN,
-                 ticks=getattr(gp.job, "tick", None), job=type(gp.job).__name__)
+                 ticks=getattr(gp.job, "tick", None), job=type(gp.job).__name__,
+                 restored_step=getattr(gp.job, "restored_step", None))
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

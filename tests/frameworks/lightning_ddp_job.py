@@ -80,7 +80,8 @@ def main(out: str) -> int:
     write_result(os.path.join(out, f"rank{rank}.json"), rank=rank, global_step=trainer.global_step,
                  epoch=trainer.current_epoch, params=digest(model.state_dict()), optimizer=digest(opt.state_dict()),
                  rng=digest(torch.get_rng_state()), lr=opt.param_groups[0]["lr"], batches=trig.seen,
-                 ticks=getattr(gp.job, "tick", None), job=type(gp.job).__name__)
+                 ticks=getattr(gp.job, "tick", None), job=type(gp.job).__name__,
+                 restored_step=getattr(gp.job, "restored_step", None))
     torch.distributed.destroy_process_group()
     if rank == 0:
         for child in getattr(trainer.strategy.launcher, "procs", []):

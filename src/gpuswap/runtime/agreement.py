@@ -255,7 +255,10 @@ class Coordinator:
     def _on_paused(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
-        self.ranks[rank].state = "parked"
+        r = self.ranks[rank]
+        r.state = "parked"
+        if msg.get("step") is not None:
+            r.step = msg["step"]          # where it parked: the job's step while parked (usage lags)
         a.answered[rank] = msg
         if len(a.answered) < self.world_size:   # type: ignore[operator]
             return []

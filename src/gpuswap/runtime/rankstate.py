@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 from gpuswap.runtime import ckparts, ddpbuckets, objects, rng
 from gpuswap.runtime.checkpoint import CheckpointError
@@ -283,33 +283,49 @@ class Restored:
     note: str | None = None
 
 
+def _cannot_resume(control: str | None, rank: int, exc: BaseException) -> NoReturn:
+    text = f"cannot resume: rank {rank}: {exc}"
+    print(f"gpuswap: {text}", file=sys.stderr, flush=True)
+    if control:
+        from gpuswap.runtime.client import send_once
+
+        send_once(control, {"op": "restore_failed", "message": text[:2000]})
+    raise SystemExit(1) from None
+
+
+def choose_or_exit(ckpt_dir: str | None, control: str | None, rank: int,
+                   world_size: int) -> tuple[ckparts.Chosen | None, str | None]:
+    """`ckparts.choose` for this rank, its note printed. Checkpoints exist but none is usable and
+    no restart was asked for: the supervisor is told why (`restore_failed`) and the process exits
+    1, as the single-rank `pausing.choose_or_exit` does. Used at attach and by the Lightning and
+    Hugging Face callbacks before it (runtime/prerestore.py)."""
+    try:
+        chosen, note = ckparts.choose(ckpt_dir, rank, world_size)
+    except (CheckpointError, ValueError, RuntimeError, KeyError) as exc:
+        _cannot_resume(control, rank, exc)
+    if note:
+        print(f"gpuswap: {note}", file=sys.stderr, flush=True)
+    return chosen, note
+
+
 def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attached],
                    user_state: dict[str, Any], rank: int, world_size: int,
                    related: Iterable[Any] = ()) -> Restored:
     """At attach, on every rank of a multi-rank job: restore the newest usable checkpoint in
     place (its own part, and rank 0's shared state), and `user_state` (job.state) from its own
-    part. No usable checkpoint and no restart asked for: tell the supervisor why
-    (`restore_failed`) and exit 1, as the single-rank `pausing.choose_or_exit` does."""
+    part. No usable checkpoint, or one that does not fit the objects (another model, other
+    sharding): `restore_failed` and exit 1 (`choose_or_exit`)."""
     import time
 
     t0 = time.perf_counter()
+    chosen, note = choose_or_exit(ckpt_dir, control, rank, world_size)
+    if chosen is None:
+        return Restored(note=note)
     try:
-        chosen, note = ckparts.choose(ckpt_dir, rank, world_size)
-        if note:
-            print(f"gpuswap: {note}", file=sys.stderr, flush=True)
-        if chosen is None:
-            return Restored(note=note)
-        # a checkpoint that verified but does not fit the objects (another model, other sharding)
         warnings = restore(items, chosen.own, chosen.shared, related)
         saved_state = _unshard(chosen.own.get("user_state") or {}, lambda path: None)
     except (CheckpointError, ValueError, RuntimeError, KeyError) as exc:
-        text = f"cannot resume: rank {rank}: {exc}"
-        print(f"gpuswap: {text}", file=sys.stderr, flush=True)
-        if control:
-            from gpuswap.runtime.client import send_once
-
-            send_once(control, {"op": "restore_failed", "message": text[:2000]})
-        raise SystemExit(1) from None
+        _cannot_resume(control, rank, exc)
     user_state.clear()
     user_state.update(saved_state)
     for w in warnings:
