@@ -144,7 +144,10 @@ def coordinate(config: "RuntimeConfig", who: Any, env: Mapping[str, str] = os.en
     import atexit
 
     def finish() -> None:      # rank 0 exits right after the commit: let the requeue finish first
-        if server.committed.is_set():
+        # The `exit` can reach this rank before the server's thread has set `committed` (it sends
+        # the exit, then checks): the coordinator's phase already says checkpointed then.
+        if server.committed.is_set() or server.table.coord.phase == "checkpointed":
+            server.committed.wait(REQUEUE_TIMEOUT_S)
             done.join(REQUEUE_TIMEOUT_S * 2)
 
     atexit.register(finish)
