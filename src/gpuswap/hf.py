@@ -42,19 +42,10 @@ from transformers import Trainer, TrainerCallback
 
 import gpuswap
 from gpuswap.runtime import prerestore
-from gpuswap.runtime.handle import RuntimeConfig
+from gpuswap.runtime.handle import current_config
 
 STATE_NAME = "hf_trainer"  # attach name of the Trainer's checkpoint files
 TRAINER_STATE = "trainer_state.json"
-
-
-def _runtime_config() -> Optional[RuntimeConfig]:
-    config = RuntimeConfig.from_env()
-    if config.job_id is not None:
-        return config
-    from gpuswap.runtime import slurm
-
-    return slurm.config_from_env()
 
 
 class _TrainerFiles:
@@ -113,7 +104,7 @@ class SafepointCallback(TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer = _calling_trainer()
-        config = _runtime_config()
+        config = current_config()
         if self.trainer is None or config is None or not config.ckpt_dir:
             return
         saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart

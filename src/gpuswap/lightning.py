@@ -38,19 +38,10 @@ import torch
 
 import gpuswap
 from gpuswap.runtime import prerestore
-from gpuswap.runtime.handle import RuntimeConfig
+from gpuswap.runtime.handle import current_config
 
 STATE_NAME = "lightning"          # the attach name of Lightning's checkpoint dict
 EPOCH_RNG = "gpuswap/epoch_rng"   # job.state key: torch CPU RNG state when the epoch began
-
-
-def _runtime_config() -> Optional[RuntimeConfig]:
-    config = RuntimeConfig.from_env()
-    if config.job_id is not None:
-        return config
-    from gpuswap.runtime import slurm
-
-    return slurm.config_from_env()
 
 
 class _TrainerState:
@@ -105,7 +96,7 @@ class SafepointCallback(pl.Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        config = _runtime_config()
+        config = current_config()
         if config is None or not config.ckpt_dir:
             return
         saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart

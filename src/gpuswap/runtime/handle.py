@@ -292,6 +292,18 @@ class Job:
 _active: Job | None = None
 
 
+def current_config() -> RuntimeConfig | None:
+    """This process's runtime config: the supervisor's (a daemon job), else Slurm's (a Slurm job
+    runs the runtime standalone), else None (outside gpuswap). `attach` and the framework
+    callbacks' pre-attach restore read it the same way."""
+    config = RuntimeConfig.from_env()
+    if config.job_id is not None:
+        return config
+    from gpuswap.runtime import slurm
+
+    return slurm.config_from_env()
+
+
 def attach(*args: Any, **objects: Any) -> Job | NullJob:
     """Attach training state; returns the handle with `start_step`, `safepoint`, `state`.
 
@@ -309,13 +321,9 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     named.update(objects)
     plain = {name: obj for name, obj in named.items() if is_plain(obj)}
     items = [classify(name, obj) for name, obj in named.items() if name not in plain]
-    config = RuntimeConfig.from_env()
-    if config.job_id is None:
-        from gpuswap.runtime import slurm
-
-        config = slurm.config_from_env()  # a Slurm job runs the runtime standalone
-        if config is None:
-            return NullJob(plain)
+    config = current_config()
+    if config is None:
+        return NullJob(plain)
     global _active
     who = None
     if config.control:     # under Slurm only a rank of a multi-rank job has one (runtime/slurm.py)
