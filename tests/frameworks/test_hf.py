@@ -11,6 +11,8 @@ pytest.importorskip("accelerate", reason="accelerate is not installed: pip insta
 
 from fw_runner import run_all  # noqa: E402
 
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
+
 JOB = "hf_job.py"  # 3 epochs x 12 steps of 8 samples; shuffled, dropout, AdamW, linear warmup/decay
 BATCH = 8
 

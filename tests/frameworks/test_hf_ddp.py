@@ -23,6 +23,8 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 from fw_ranks import finish_reference, park_ram_then_disk, results, start_reference  # noqa: E402
 from fw_runner import HERE  # noqa: E402
 
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
+
 STEPS = 12  # 2 epochs x 6 optimizer steps (2 batches of 4 per rank each: gradient_accumulation_steps=2)
 PER_STEP = 8  # samples per rank and optimizer step
 RAM_AT, DISK_AT = 2, 7  # optimizer steps (0-based); 7 is the second step of epoch 1: mid-epoch

@@ -9,6 +9,8 @@ pytest.importorskip("lightning", reason="lightning is not installed: pip install
 
 from fw_runner import run_all  # noqa: E402
 
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
+
 JOB = "lightning_job.py"  # 3 epochs x 12 batches; shuffled loader, dropout, AdamW, StepLR per step
 MID, END = "ram:10,disk:16", "disk:23"  # step 16: mid-epoch 1; step 23: last batch of epoch 1
 

@@ -20,6 +20,8 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 from fw_ranks import finish_reference, park_ram_then_disk, results, start_reference  # noqa: E402
 from fw_runner import HERE  # noqa: E402
 
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
+
 STEPS = 12  # 3 epochs x 4 optimizer steps (2 batches each: accumulate_grad_batches=2) per rank
 RAM_AT, DISK_AT = 2, 5  # optimizer steps (0-based); 5 is the second step of epoch 1: mid-epoch
 

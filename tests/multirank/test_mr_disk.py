@@ -7,12 +7,16 @@ trains on, the event says why); rank 0 killed after the parts are durable but be
 manifest leaves the previous checkpoint standing."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from mr_testing import assert_bitwise, load, reference, torchrun
 from gpuswap_testing import Gate
 
 from gpuswap.runtime import ckparts
+
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 
 STEPS, HOLDS = 24, (6, 12, 18)
 

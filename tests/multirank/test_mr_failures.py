@@ -4,6 +4,8 @@ ends in a defined state with its reason, and no rank process is left running or 
 docs/design/multi-rank.md, section 6."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -12,6 +14,8 @@ from pathlib import Path
 
 from mr_testing import alive, parent, torchrun
 from gpuswap_testing import FACT_TIMEOUT_S, Gate
+
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 
 STEPS, HOLD_AT = 12, 10
 

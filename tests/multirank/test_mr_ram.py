@@ -15,6 +15,8 @@ import pytest
 from mr_testing import assert_bitwise, load, reference, torchrun
 from gpuswap_testing import Gate
 
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
+
 STEPS, HOLD_AT = 24, 22
 
 

@@ -3,9 +3,13 @@ across job states, hostile requests and a hostile job; nothing may be lost, stuc
 The longer run is `python tests/fault_trial.py --trials 40`."""
 from __future__ import annotations
 
+import pytest
+
 import os
 
 import fault_trial
+
+pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 
 TRIALS = int(os.environ.get("GPUSWAP_FAULT_TRIALS", "4"))
 SEED = int(os.environ.get("GPUSWAP_FAULT_SEED", "7"))

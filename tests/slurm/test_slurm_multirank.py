@@ -26,7 +26,7 @@ from test_slurm_preempt import _train_env, _wait_output  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from mr_testing import assert_bitwise  # noqa: E402
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]   # slow: runs first (tests/conftest.py)
 
 STEPS, HOLD_AT = 40, 20
 JOB = Path(__file__).with_name("mr_train.py")

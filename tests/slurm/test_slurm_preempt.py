@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]   # slow: runs first (tests/conftest.py)
 
 STEPS, STEP_TIME = 300, 0.03
 REPO_SRC = str(Path(__file__).resolve().parents[2] / "src")
