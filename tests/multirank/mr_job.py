@@ -4,7 +4,7 @@ as the reference, under plain torchrun.
 
     torchrun --nproc-per-node N mr_job.py --steps S --out DIR [--modes ddp,zero,fsdp2]
              [--gate FILE --hold-at H[,H2...]] [--no-attach RANK] [--hang-in-park RANK]
-             [--block-rank R --block-file F] [--fail-dir DIR]
+             [--block-rank R --block-file F] [--fail-dir DIR] [--probe-buckets]
 
 --modes: which trainings run, side by side in one process, one step of each per loop step
 (starting torchrun is most of a test's cost): `ddp` (DistributedDataParallel + AdamW), `zero`
@@ -27,6 +27,12 @@ common step: the test kills it during the agreement).
 of a disk checkpoint, the file is removed and the write fails (as a full disk would); if
 DIR/manifest exists when rank 0 is about to commit, rank 0 is SIGKILLed (its part is durable, the
 manifest is not written).
+--probe-buckets: the `ddp` training gets a communication hook that all-reduces like DDP's default
+one (in the reference run too, so the results stay comparable) and keeps a weak reference to each
+bucket buffer's storage (`StorageWeakRef`, which keeps nothing alive). A test hook armed by this
+script then notes, as each `paused` report leaves a rank (its park is complete), whether the
+buffers of the last backward still exist: DDP's C++ Reducer holds them, out of the runtime's reach
+unless it frees them (runtime/ddpreducer.py).
 
 Each rank writes, per mode, its parameters, optimizer state, RNG state, data generator and how
 many distinct default groups it trained with to DIR/MODE/rank{R}.pt, and leaves with os._exit
@@ -48,6 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import gpuswap
 from dist_helpers import full_state, local
@@ -85,6 +93,35 @@ def build(mode: str) -> tuple[nn.Module, Any]:
         model = fully_shard(net, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     raise SystemExit(f"unknown mode {mode}")
+
+
+class BucketProbe:
+    """The state of `probe_hook`: weak references to the bucket buffers of the last backward."""
+
+    def __init__(self) -> None:
+        self.refs: list[tuple[Any, int]] = []     # (StorageWeakRef, bytes)
+        self.parked: list[list[bool]] = []        # per park: whether each of them was freed
+
+
+def probe_hook(state, bucket):  # no annotations: DDP checks them, and these would be strings
+    """DDP's default reduction as a Python hook (divide by the world size, all-reduce on the
+    default group of the moment), noting the bucket's buffer on the way."""
+    buf = bucket.buffer()
+    state.refs.append((StorageWeakRef(buf.untyped_storage()), buf.untyped_storage().nbytes()))
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def probe_parks(job: Any, probe: BucketProbe) -> None:
+    """As each `paused` report leaves this rank, note which of the last backward's bucket buffers
+    are gone (test-only: wraps the job's control client)."""
+    send = job._client.send
+
+    def noting(msg: dict[str, Any]) -> bool:
+        if msg.get("op") == "paused":
+            probe.parked.append([ref.expired() for ref, _ in probe.refs])
+        return send(msg)
+
+    job._client.send = noting
 
 
 def hang_in_park(job: Any) -> None:
@@ -150,6 +187,7 @@ def main() -> None:
     ap.add_argument("--block-rank", type=int, default=-1)
     ap.add_argument("--block-file", default="")
     ap.add_argument("--fail-dir", default="")
+    ap.add_argument("--probe-buckets", action="store_true")
     args = ap.parse_args()
     holds = {int(h) for h in args.hold_at.split(",") if h}
     faulthandler.dump_traceback_later(600, exit=True)   # a hang ends with its stacks
@@ -159,6 +197,9 @@ def main() -> None:
     rank = dist.get_rank()
     modes = args.modes.split(",")
     trained = {mode: build(mode) for mode in modes}
+    probe = BucketProbe() if args.probe_buckets else None
+    if probe is not None:
+        trained["ddp"][0].register_comm_hook(probe, probe_hook)
     torch.manual_seed(100 + rank)                        # dropout differs per rank
     data = torch.Generator().manual_seed(7 + rank)
     attached: dict[str, Any] = {"data": data}
@@ -169,10 +210,14 @@ def main() -> None:
     job = NoJob() if rank == args.no_attach else gpuswap.attach(**attached)
     if rank == args.hang_in_park:
         hang_in_park(job)
+    if probe is not None and getattr(job, "_client", None) is not None:
+        probe_parks(job, probe)
     groups = [dist.group.WORLD]                          # every default group trained with (kept: ids unique)
     for step in range(job.start_step, args.steps):
         x = torch.randn(8, 16, generator=data)
         y = torch.randn(8, 4, generator=data)
+        if probe is not None:
+            probe.refs = []
         for model, opt in trained.values():
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -206,11 +251,21 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "optimizer": local(optim), "rng": torch.get_rng_state(),
                     "data": data.get_state(), "groups": len(groups), "bound": bound[mode],
-                    "state_bytes": nbytes}, out / f"rank{rank}.pt")
+                    "state_bytes": nbytes, "buckets": probed(probe, model) if mode == "ddp" else None},
+                   out / f"rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def probed(probe: BucketProbe | None, model: nn.Module) -> dict[str, Any] | None:
+    """What the probe saw: per park, which buffers were freed; and the bytes of the last
+    backward's buffers that exist now (after a resume: as many as the parameters')."""
+    if probe is None:
+        return None
+    return {"parked": probe.parked, "live_bytes": sum(n for ref, n in probe.refs if not ref.expired()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def fail_hooks(where: Path, rank: int) -> None:

@@ -26,11 +26,11 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             str(JOB), *args]
 
 
-def reference(out: Path, nproc: int, steps: int, modes: str = "ddp") -> None:
+def reference(out: Path, nproc: int, steps: int, modes: str = "ddp", *extra: str) -> None:
     """The same training under plain torchrun, outside gpuswap (the two lines are no-ops there)."""
     env = reference_env(simulated=True)
     env["PYTHONPATH"] = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    res = subprocess.run(torchrun(nproc, "--steps", str(steps), "--out", str(out), "--modes", modes), env=env,
+    res = subprocess.run(torchrun(nproc, "--steps", str(steps), "--out", str(out), "--modes", modes, *extra), env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-6000:]
 

@@ -57,6 +57,16 @@ def main() -> None:
     out["none_state_refusal"] = Regroup([classify("model", ddp(None))]).refusal()
     # the group itself as the state: the reducer's C++ hook keeps that object: refused
     out["group_state_refusal"] = Regroup([classify("model", ddp(dist.group.WORLD))]).refusal()
+    gc.collect()
+    # a built-in hook keeps, in C++, the group it was registered with: fine where the park makes the
+    # Reducer again and registers the hook on the new group (runtime/ddpreducer.py), refused where
+    # the Reducer is kept (static_graph)
+    for name, static in (("builtin_refusal", False), ("builtin_static_refusal", True)):
+        m = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), static_graph=static)
+        m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        out[name] = Regroup([classify("model", m)]).refusal()
+        del m
+        gc.collect()
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -5,7 +5,10 @@ to the same script under plain torchrun. `show` and `ls` list the ranks.
 docs/design/multi-rank.md, sections 2 and 3.
 
 Starting torchrun is most of a case's cost, so the 2-rank case trains DDP, DDP + ZeRO and FSDP2
-side by side in one job (mr_job.py `--modes`); the 4-rank case trains DDP."""
+side by side in one job (mr_job.py `--modes`); the 4-rank case trains DDP. In the 2-rank case the
+DDP training reduces through a communication hook that watches its bucket buffers
+(`--probe-buckets`): they are gone while the job is parked (DDP's Reducer, which holds them out of
+Python's reach, is made again at resume: runtime/ddpreducer.py) and back, full size, after it."""
 from __future__ import annotations
 
 import json
@@ -20,12 +23,12 @@ pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 STEPS, HOLD_AT = 24, 22
 
 
-@pytest.mark.parametrize("nproc, modes", [(2, "ddp,zero,fsdp2"), (4, "ddp")])
-def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, modes):
+@pytest.mark.parametrize("nproc, modes, extra", [(2, "ddp,zero,fsdp2", ("--probe-buckets",)), (4, "ddp", ())])
+def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, modes, extra):
     d = make_daemon("--simulate-gpus", f"{nproc}x80GiB", "--min-runtime", "1")
     gate, out, ref = Gate(home / "go"), home / "out", home / "ref"
     job = d.submit(torchrun(nproc, "--steps", str(STEPS), "--out", str(out), "--modes", modes,
-                            "--gate", str(gate.path), "--hold-at", str(HOLD_AT)), name="mr", gpus=nproc)
+                            "--gate", str(gate.path), "--hold-at", str(HOLD_AT), *extra), name="mr", gpus=nproc)
     d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and len(j["ranks"]) == nproc)
     parked = []
     for n in (1, 2):
@@ -46,7 +49,7 @@ def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, m
     done = d.state(job, "COMPLETED", "FAILED")
     assert done["state"] == "COMPLETED", json.dumps(done["events"], indent=1)
     assert sum(e["reason"].startswith("parked in RAM") for e in done["events"]) == 2
-    reference(ref, nproc, STEPS, modes)
+    reference(ref, nproc, STEPS, modes, *extra)
     first = modes.split(",")[0]
     # Every byte of training state left the device: parameters, gradients and optimizer state of
     # every mode on every rank (a ZeRO shard's moments live in its local optimizer).
@@ -59,3 +62,8 @@ def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, m
             assert b["bound"], f"{mode} rank {rank}: still holds a destroyed group"
             for key in ("params", "optimizer", "rng", "data"):
                 assert_bitwise(a[key], b[key], f"{mode} rank {rank} {key}")
+    for rank in range(nproc) if extra else ():
+        seen = load(out / "ddp", rank)["buckets"]
+        # Both parks: every bucket buffer of the last backward was freed once the rank was parked.
+        assert len(seen["parked"]) == 2 and all(p and all(p) for p in seen["parked"]), (rank, seen)
+        assert seen["live_bytes"] == seen["param_bytes"] > 0, (rank, seen)   # and back after resume

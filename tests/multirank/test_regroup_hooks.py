@@ -1,7 +1,8 @@
 """DDP communication hooks across a regroup (runtime/regroup.py): torch documents that
 `_update_process_group` leaves hooks' groups to the caller. A hook state's `process_group` (torch's
 PowerSGDState, PostLocalSGDState) is pointed at the new group; a hook whose state *is* the group (kept by
-the reducer's C++ hook) is a ram_refusal; a state of None needs nothing. One gloo process."""
+the reducer's C++ hook) is a ram_refusal; a state of None needs nothing; a built-in hook (which keeps
+its group in C++) is a ram_refusal only where a park keeps the Reducer. One gloo process."""
 from __future__ import annotations
 
 import json
@@ -30,3 +31,5 @@ def test_ddp_comm_hook_groups_are_rebound_or_refused():
     assert out["odd_state_refusal"] and "communication hook" in out["odd_state_refusal"]
     assert out["none_state_refusal"] is None
     assert out["group_state_refusal"] and "communication hook" in out["group_state_refusal"]
+    assert out["builtin_refusal"] is None
+    assert out["builtin_static_refusal"] and "built-in DDP communication hook" in out["builtin_static_refusal"]

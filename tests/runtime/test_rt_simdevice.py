@@ -60,3 +60,27 @@ def test_the_floor_is_chosen_by_the_environment_and_a_bad_value_falls_back(capsy
     assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "256MiB"}) == 256 * 2**20
     assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "lots"}) == simdevice.DEFAULT_CONTEXT_BYTES
     assert "ignoring GPUSWAP_SIM_CONTEXT_BYTES" in capsys.readouterr().err
+
+
+def test_a_one_process_ddp_keeps_its_bucket_buffers_through_a_park_and_the_simulated_gpu_counts_them(
+        device, peer, tmp_path):
+    """A DDP of world size 1 under the single-process handle: its Reducer's flat bucket buffers
+    (one more copy of the gradients, runtime/ddpreducer.py) are not attached tensors and this
+    park does not free them; a real GPU would list them in NVML, and so does the simulated one."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("no torch.distributed with gloo")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+        model(torch.randn(2, 64)).sum().backward()
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+        job = gpuswap.attach(model=model)
+        attached = job.device_bytes()
+        assert _held(device) == [(os.getpid(), 1, FLOOR + attached + buckets)]
+        seen = pause_in_background(job, lambda: {"parked": _held(device)}, step=0)
+        assert seen["parked"] == [(os.getpid(), 1, FLOOR + buckets)]      # what a real GPU would keep
+        assert _held(device) == [(os.getpid(), 1, FLOOR + attached + buckets)]
+        job.close()
+    finally:
+        dist.destroy_process_group()

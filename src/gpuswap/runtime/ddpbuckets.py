@@ -13,7 +13,8 @@ differed in the last bits of the parameters.
 
 So each part records the layout the rebuilt Reducer uses, and the restore builds the Reducer
 again with it, the way `DistributedDataParallel._ddp_init_helper` builds it (the same private
-constructor arguments, torch 2.13). That Reducer's own rebuild after its first iteration computes
+constructor arguments, torch 2.13: `make_reducer`, which a multi-rank RAM park uses too,
+runtime/ddpreducer.py). That Reducer's own rebuild after its first iteration computes
 the same layout again. Where any of this is not possible (no layout recorded yet, a comm hook,
 mixed precision, static graph), the restore says so and goes on: the run is still correct, only
 not bitwise identical with 3+ ranks.
@@ -30,8 +31,7 @@ def layout(ddp: Any) -> list[list[int]] | None:
         return None
     text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
     if not text:    # logged one sampled iteration late: read the Reducer's buckets instead
-        params = {id(p): i for i, p in enumerate(ddp._build_params_for_reducer()[0])}
-        return [[params[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+        return current(ddp)
     return [[int(i) for i in bucket.split()] for bucket in str(text).split(",")]
 
 
@@ -52,16 +52,36 @@ def _refusal(ddp: Any) -> str | None:
 def apply(ddp: Any, indices: list[list[int]]) -> str | None:
     """Give `ddp` a Reducer whose buckets are `indices` from the first iteration on. Call before
     the first forward after a restore. Returns a warning instead when it cannot."""
-    import torch.distributed as dist
-
     why = _refusal(ddp)
     if why is not None:
         return f"DDP uses {why}: its first step after the restore uses DDP's initial buckets"
-    params, expect_sparse = ddp._build_params_for_reducer()
+    params, _ = ddp._build_params_for_reducer()
     flat = [i for bucket in indices for i in bucket]
     if sorted(flat) != list(range(len(params))):
         return (f"the checkpoint's DDP buckets cover {len(flat)} parameters, the model has {len(params)}: "
                 "its first step after the restore uses DDP's initial buckets")
+    reducer = make_reducer(ddp, indices)
+    ddp.reducer._remove_autograd_hooks()     # the old one must not reduce a gradient too
+    ddp.reducer = reducer
+    give_logger(ddp)
+    return None
+
+
+def current(ddp: Any) -> list[list[int]]:
+    """The bucket assignment `ddp`'s Reducer uses now (indices into its parameter list). Reads
+    `_get_zeros_like_grad_buckets`, which allocates zeros the size of every bucket for a moment."""
+    params = {id(p): i for i, p in enumerate(ddp._build_params_for_reducer()[0])}
+    return [[params[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def make_reducer(ddp: Any, indices: list[list[int]]) -> Any:
+    """A new Reducer for `ddp`'s parameters with the bucket assignment `indices`, built with the
+    private constructor arguments `DistributedDataParallel._ddp_init_helper` passes (torch 2.13),
+    on `ddp.process_group`. It registers its own autograd hooks; the caller retires the old one."""
+    import torch.distributed as dist
+
+    params, expect_sparse = ddp._build_params_for_reducer()
+    flat = [i for bucket in indices for i in bucket]
     config = ddp._bucket_config
     caps = [config.first_bucket_bytes_cap, ddp.bucket_bytes_cap]
     got, limits = dist._compute_bucket_assignment_by_size(
@@ -70,17 +90,23 @@ def apply(ddp: Any, indices: list[list[int]]) -> str | None:
         limits = [ddp.bucket_bytes_cap] * len(indices)     # only logged by the Reducer
     _, rebuild_limits = config.compute_bucket_size_limits(
         static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)
-    reducer = dist.Reducer(
+    return dist.Reducer(
         params, indices, list(limits), ddp.process_group, expect_sparse, ddp.bucket_bytes_cap,
         ddp.find_unused_parameters, ddp.gradient_as_bucket_view,
         ddp._build_debug_param_to_name_mapping(params), config.first_bucket_bytes_cap,
         ddp.skip_all_reduce_unused_params, ddp._use_python_reducer, rebuild_limits, ddp.batched_grad_copy)
-    ddp.reducer._remove_autograd_hooks()     # the old one must not reduce a gradient too
-    ddp.reducer = reducer
-    ddp.logger = dist.Logger(reducer)
-    reducer.set_logger(ddp.logger)
+
+
+def give_logger(ddp: Any) -> None:
+    """A new DDP Logger for `ddp.reducer` with the construction data `_ddp_init_helper` logs (it
+    reads the Reducer's process group: call once that group is the one DDP will use)."""
+    import torch
+    import torch.distributed as dist
+
+    ddp.logger = dist.Logger(ddp.reducer)
+    ddp.reducer.set_logger(ddp.logger)
+    sync_bn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
     ddp.logger.set_construction_data_and_log(
         ddp.module.__class__.__name__, [] if ddp.device_ids is None else ddp.device_ids,
-        -1 if ddp.output_device is None else ddp.output_device, ddp.forward_sync_buffers, False,
+        -1 if ddp.output_device is None else ddp.output_device, ddp.forward_sync_buffers, sync_bn,
         ddp.static_graph)
-    return None

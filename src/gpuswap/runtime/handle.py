@@ -76,7 +76,7 @@ class Job:
     __slots__ = (
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
-        "_measure_req", "_owner", "restore_note",
+        "_measure_req", "_owner", "restore_note", "_outside",
     )
     inside = True
 
@@ -100,6 +100,7 @@ class Job:
         self._measure_req = False
         self._owner = threading.get_ident()  # the training thread (the one that attached)
         self._max_bytes: int | None = None  # cap on a RAM park's bytes (the daemon's RAM budget)
+        self._outside: int | None = None    # simulated GPUs: device bytes held outside the attached tensors
 
     # -- hot path --------------------------------------------------------------------------
     def safepoint(self, step: int) -> None:
@@ -188,7 +189,8 @@ class Job:
             self._phase = "running"
 
     def _mark_parked(self) -> None:
-        simdevice.hold(0, self.config.simulated)  # parked: a simulated GPU keeps only the context floor
+        # parked: a simulated GPU keeps the context floor and what the park cannot free
+        simdevice.hold(self._outside_bytes(), self.config.simulated)
         with self._cond:
             self._phase = "parked"
             self._last_bytes = 0
@@ -231,8 +233,22 @@ class Job:
             self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
         except RuntimeError:  # a container changed size under us (a thread of the user's): keep the last
             pass
-        simdevice.hold(self._last_bytes, self.config.simulated)  # simulated GPUs: what NVML would list
+        # simulated GPUs: what NVML would list
+        simdevice.hold(self._last_bytes + self._outside_bytes(), self.config.simulated)
         return self._last_bytes
+
+    def _outside_bytes(self) -> int:
+        """Simulated GPUs only: device memory the process holds outside the attached tensors
+        that the runtime knows of and a park leaves in place: the bucket buffers of a DDP
+        (world size 1 here: a single-rank park keeps its Reducer; runtime/ddpreducer.py)."""
+        if not self.config.simulated:
+            return 0
+        if self._outside is None:
+            from gpuswap.runtime import ddpreducer
+
+            ddps = [d() for d in ddpreducer.find(self._items)]
+            self._outside = sum(ddpreducer.held_bytes(d) for d in ddps if d is not None)
+        return self._outside
 
     def _hello(self) -> dict[str, Any]:
         # Sent from the reader thread: the last measurement, never a walk of the tensors.

@@ -201,7 +201,7 @@ def _free(slot: _Slot) -> None:
         u.data = torch.empty(0, dtype=u.dtype, device=u.device)
 
 
-def _empty_device_cache(simulated: bool) -> None:
+def empty_device_cache(simulated: bool) -> None:
     """Return freed memory to the driver: cuBLAS/cuBLASLt workspaces first (torch keeps one per
     handle and stream in the caching allocator; `_cuda_clearCublasWorkspaces` drops both maps),
     then the allocator's cache. Neither is a CUDA call on a device without allocations."""
@@ -232,7 +232,7 @@ def release(park: RamPark, simulated: bool) -> None:
         if not slot.resizable:
             slot.storage = None  # the last reference: its memory goes now
     park.released = True
-    _empty_device_cache(simulated)
+    empty_device_cache(simulated)
 
 
 def _refill(slots: list[_Slot]) -> None:
@@ -274,7 +274,7 @@ def restore(park: RamPark, simulated: bool) -> float:
             else:
                 _free(slot)
                 slot.storage = None
-        _empty_device_cache(simulated)
+        empty_device_cache(simulated)
         raise
     park.released = False
     return time.perf_counter() - t0

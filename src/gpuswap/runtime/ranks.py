@@ -169,6 +169,7 @@ class RankJob(Job):
             if action == UNPARK:
                 if self._park is not None:
                     parking.restore(self._park, self.config.simulated)   # host copies kept until regroup
+                    self._regroup.build_reducers()    # DDP's bucket buffers: memory back, or fail here
                 self._phase = "running"
                 self._measure()
                 return True, {"bytes": self._park.nbytes if self._park else 0,
@@ -184,6 +185,8 @@ class RankJob(Job):
             if action == RELEASE:
                 if self._park is not None and not self._park.released:
                     parking.release(self._park, self.config.simulated)
+                if self._park is not None:
+                    self._free_buckets()              # those an unpark made again
                 self._mark_parked()
                 return True, {}
             if action == WRITE:
@@ -215,11 +218,26 @@ class RankJob(Job):
             parking.drop_host(park)
             raise
         self._park = park
+        self._free_buckets()
         self._mark_parked()
         return {"bytes": park.nbytes, "seconds": round(time.perf_counter() - t0, 6), "step": self.step}
 
+    def _free_buckets(self) -> None:
+        """DDP's bucket buffers, which the park of the attached tensors cannot reach: drop the
+        Reducers that hold them (runtime/ddpreducer.py; their layout is read here, after the
+        release, so the zeros it reads it with fit in any GPU) and give the memory back."""
+        if self._regroup.drop_reducers():
+            parking.empty_device_cache(self.config.simulated)
+
+    def _outside_bytes(self) -> int:
+        """Simulated GPUs: the bucket buffers of every DDP whose Reducer exists now (all of them
+        while running; while parked, those a park keeps: runtime/ddpreducer.py `keeps`)."""
+        if not self.config.simulated:
+            return 0
+        return self._regroup.reducers.held(self._regroup.live_ddps())
+
     def _mark_parked(self) -> None:
-        simdevice.hold(0, self.config.simulated)
+        simdevice.hold(self._outside_bytes(), self.config.simulated)
         self._phase = "parked"
         self._last_bytes = 0
 

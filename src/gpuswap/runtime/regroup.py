@@ -24,6 +24,8 @@ import sys
 import weakref
 from typing import Any, Iterable, Optional
 
+from gpuswap.runtime import ddpreducer
+from gpuswap.runtime.ddpreducer import Reducers
 from gpuswap.runtime.objects import Attached
 
 
@@ -86,6 +88,8 @@ class Regroup:
         # that drops a wrapper must not find its memory kept alive by us).
         self._found: list[Any] = []
         self._kept: Optional[list[Any]] = None
+        self.ddps: list[Any] = []          # weak references to every DDP the last check found
+        self.reducers = Reducers()         # their Reducers across parks (runtime/ddpreducer.py)
 
     def refusal(self) -> Optional[str]:
         """Why this rank's groups cannot be rebuilt in place (None: they can, or there is none)."""
@@ -94,6 +98,7 @@ class Regroup:
             return None
         holders = _holders(self.items)
         self._found = [weakref.ref(h) for h in holders if _rebindable(h)]
+        self.ddps = [weakref.ref(h) for h in holders if _is(h, "torch.nn.parallel", "DistributedDataParallel")]
         if any(_is(h, "torch.distributed.fsdp", "FullyShardedDataParallel") for h in holders):
             return "an FSDP1 module (FullyShardedDataParallel) cannot be rebound to a new process group"
         world = dist.group.WORLD
@@ -107,6 +112,9 @@ class Regroup:
                     if _hook_group_fixed(state, dist.ProcessGroup):
                         return ("a DDP communication hook holds a process group where it cannot be "
                                 "rebound (its state is the group, or keeps it outside `process_group`)")
+                if ddpreducer.builtin_hook_kept(h):
+                    return ("a built-in DDP communication hook keeps the process group it was registered "
+                            "with, and its Reducer is not made again at a park")
         return None
 
     def teardown(self) -> None:
@@ -140,6 +148,18 @@ class Regroup:
         kept, self._kept = self._kept, None
         self.rebind(None if kept is None else [h for h in (r() for r in kept) if h is not None])
 
+    def live_ddps(self) -> list[Any]:
+        return [d for d in (r() for r in self.ddps) if d is not None]
+
+    def drop_reducers(self) -> int:
+        """At a RAM park, once the attached tensors are released: free DDP's bucket buffers
+        (runtime/ddpreducer.py). Returns the bytes freed."""
+        return self.reducers.drop(self.live_ddps())
+
+    def build_reducers(self) -> None:
+        """At unpark: new Reducers for those dropped (their buffers are allocated here)."""
+        self.reducers.build()
+
     def rebind(self, holders: Optional[list[Any]] = None) -> None:
         """Point everything that cached the old default group at the new one (`holders`: found by
         the park's scan; else every live one now)."""
@@ -150,6 +170,7 @@ class Regroup:
         for h in (holders if holders is not None else _holders(self.items)):
             if _is(h, "torch.nn.parallel", "DistributedDataParallel"):
                 h._update_process_group(world)
+                self.reducers.finish(h)       # a Reducer made at unpark: its Logger and hook
                 for _, state in getattr(h, "_comm_hooks", ()):     # DDP leaves hooks' groups to us
                     if isinstance(getattr(state, "process_group", None), dist.ProcessGroup):
                         state.process_group = world

@@ -7,11 +7,17 @@ attached tensors and the allocator's cache, never that floor: NVML keeps listing
 it. Without a GPU the daemon finds a job's device memory only in the simulated device's process
 list (gpuswap.simcuda), so the runtime registers its process there with
 
-    context floor + attached device bytes    (CPU tensors stand for device memory in simulation)
+    context floor + attached device bytes + DDP bucket buffers
+                                             (CPU tensors stand for device memory in simulation)
 
 updated whenever a measurement changes: at attach, at each measured safepoint, before a RAM park
-is reported (the floor alone: a park cannot free it) and before a resume is reported (the floor
-and the attached bytes again). A disk park exits, and the registration dies with the process.
+is reported (the floor, which a park cannot free, plus the bucket buffers of any DDP Reducer the
+park keeps) and before a resume is reported (all of it again). A disk park exits, and the
+registration dies with the process. DDP's Reducer holds one flat buffer per bucket, about one
+more copy of the gradients, in no tensor the job attached; a real process's NVML figure includes
+them, so the simulated one does too (runtime/ddpreducer.py: a multi-rank RAM park frees them
+unless a reason keeps the Reducer; a single-process park never does). Not modelled: the caching
+allocator's cache, activations, tensors not attached, a communication hook's own result buffers.
 
 The floor: PyTorch measured its own context at 287,047,680 bytes with lazy module loading and
 666,632,192 bytes without (pytorch/pytorch#86509, which made CUDA_MODULE_LOADING=LAZY torch's
