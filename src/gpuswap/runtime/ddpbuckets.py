@@ -76,13 +76,25 @@ def current(ddp: Any) -> list[list[int]]:
 
 def make_reducer(ddp: Any, indices: list[list[int]]) -> Any:
     """A new Reducer for `ddp`'s parameters with the bucket assignment `indices`, built with the
-    private constructor arguments `DistributedDataParallel._ddp_init_helper` passes (torch 2.13),
-    on `ddp.process_group`. It registers its own autograd hooks; the caller retires the old one."""
+    private constructor arguments `DistributedDataParallel._ddp_init_helper` passes, on
+    `ddp.process_group`. Two forms: torch 2.13 (`ddp._bucket_config`) and the one before it
+    (torch 2.11, read off its `_ddp_init_helper` on a GPU machine: `bucket_bytes_cap_default`,
+    `dist._DEFAULT_FIRST_BUCKET_BYTES`, `bucket_bytes_cap_list`). It registers its own autograd
+    hooks; the caller retires the old one."""
     import torch.distributed as dist
 
     params, expect_sparse = ddp._build_params_for_reducer()
     flat = [i for bucket in indices for i in bucket]
-    config = ddp._bucket_config
+    config = getattr(ddp, "_bucket_config", None)
+    name_map = ddp._build_debug_param_to_name_mapping(params)
+    if config is None:      # torch before 2.13
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap
+        cap_list = list(getattr(ddp, "bucket_bytes_cap_list", None) or [])
+        # The per-bucket limits are only logged by the Reducer; rebuilding uses the caps below.
+        return dist.Reducer(
+            params, indices, [ddp.bucket_bytes_cap] * len(indices), ddp.process_group, expect_sparse,
+            ddp.bucket_bytes_cap, ddp.find_unused_parameters, ddp.gradient_as_bucket_view, name_map, first,
+            ddp.skip_all_reduce_unused_params, ddp._use_python_reducer, cap_list)
     caps = [config.first_bucket_bytes_cap, ddp.bucket_bytes_cap]
     got, limits = dist._compute_bucket_assignment_by_size(
         [params[i] for i in flat], caps, [expect_sparse[i] for i in flat], flat)
@@ -92,8 +104,7 @@ def make_reducer(ddp: Any, indices: list[list[int]]) -> Any:
         static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)
     return dist.Reducer(
         params, indices, list(limits), ddp.process_group, expect_sparse, ddp.bucket_bytes_cap,
-        ddp.find_unused_parameters, ddp.gradient_as_bucket_view,
-        ddp._build_debug_param_to_name_mapping(params), config.first_bucket_bytes_cap,
+        ddp.find_unused_parameters, ddp.gradient_as_bucket_view, name_map, config.first_bucket_bytes_cap,
         ddp.skip_all_reduce_unused_params, ddp._use_python_reducer, rebuild_limits, ddp.batched_grad_copy)
 
 
@@ -108,5 +119,6 @@ def give_logger(ddp: Any) -> None:
     sync_bn = any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
     ddp.logger.set_construction_data_and_log(
         ddp.module.__class__.__name__, [] if ddp.device_ids is None else ddp.device_ids,
-        -1 if ddp.output_device is None else ddp.output_device, ddp.forward_sync_buffers, sync_bn,
+        -1 if ddp.output_device is None else ddp.output_device,
+        getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)), sync_bn,
         ddp.static_graph)

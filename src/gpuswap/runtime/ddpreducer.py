@@ -33,7 +33,9 @@ torch internals relied on (2.13; each is private and may change): `ddp.reducer`,
 `ddp._comm_hooks`, `Reducer._get_zeros_like_grad_buckets`, `Reducer._remove_autograd_hooks`,
 `dist.Reducer(...)`/`dist.Logger` with `_ddp_init_helper`'s arguments, `dist._register_comm_hook`,
 `dist._register_builtin_comm_hook`, `DistributedDataParallel._build_params_for_reducer`, and
-`_get_ddp_logging_data()["comm_hook"]`. NCCL on a GPU is unverified.
+`_get_ddp_logging_data()["comm_hook"]`. On NCCL the Reducer made at unpark sits on a placeholder
+group until the regroup (runtime/regroup.py); seen with one NCCL rank on an H100
+(tests/multirank/test_nccl_one_gpu.py), unverified with two or more.
 """
 from __future__ import annotations
 

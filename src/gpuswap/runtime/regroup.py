@@ -13,9 +13,10 @@ What cannot be rebound (FSDP1, groups of the script's own, a comm hook whose sta
 is a *refusal*: the rank says so in
 `hello` and the park is refused (or, once the disk tier is built, goes to disk) with the reason.
 
-Replaced groups are never released here (`graveyard`): dropping the last reference to a gloo
-group right after its last collective can deadlock its destructor against the GIL
-(pytorch/pytorch#56297); a destroyed NCCL group has already freed its communicators.
+Replaced gloo (and mixed) groups are never released here (`graveyard`): dropping the last
+reference to a gloo group right after its last collective can deadlock its destructor against the
+GIL (pytorch/pytorch#56297). A destroyed NCCL group is let go: it has freed its communicators, but
+kept alive it would keep the tensors of its last collectives (DDP's bucket buffers) on the GPU.
 """
 from __future__ import annotations
 
@@ -130,12 +131,30 @@ class Regroup:
         device = getattr(world, "bound_device_id", None)
         if device is not None:
             self._init["device_id"] = device          # NCCL's eager init on the same GPU
-        self.graveyard.extend(list(c10d._world.pg_map))
+        # NCCL groups are let go (their destroy has finished their work): a destroyed NCCL group
+        # still holds the tensors of its last collectives (ProcessGroupNCCL stashes them instead of
+        # record_stream), DDP's bucket buffers among them, so keeping it kept those on the GPU,
+        # one set more per park (seen on an H100, torch 2.11, NCCL 2.28).
+        self.graveyard.extend(pg for pg, (backend, _) in list(c10d._world.pg_map.items())
+                              if str(backend).lower() != "nccl")
         # The holders the park's refusal check just found: nothing trains while parked, so they are
         # the ones to rebind, and the rebuild skips a second scan of every live object (a few
         # tenths of a second in a torch process, on the resume's critical path).
         self._kept, self._found = self._found, []
         dist.destroy_process_group()
+        # What keeps the old group alive keeps the tensors it stashed (above). Until the rebind
+        # gives them the new group, DDP, ZeRO and DDP's hook states hold a placeholder of the same
+        # rank and size that can do nothing (a Reducer made at unpark is made on it; a collective
+        # on it fails): the old group is then held by no one but a Reducer the park keeps.
+        holder = dist.ProcessGroup(dist.HashStore(), self._init["rank"], self._init["world_size"])
+        for h in (r() for r in self._kept):
+            if _is(h, "torch.nn.parallel", "DistributedDataParallel"):
+                h.process_group = holder
+                for _, state in getattr(h, "_comm_hooks", ()):
+                    if isinstance(getattr(state, "process_group", None), dist.ProcessGroup):
+                        state.process_group = holder
+            elif _is(h, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
+                h.process_group = holder
         self.torn = True
 
     def rebuild(self, epoch: int) -> None:
