@@ -3,126 +3,23 @@
 Every write commits (fsync, synchronous=FULL) before the caller acknowledges anything, so a
 `kill -9` of the daemon at any instant loses nothing that a client was told. One connection,
 guarded by a lock: the API's worker threads and the controller share it; our write rate is far
-below what one connection serves.
+below what one connection serves. The tables, and how an older database is brought up to them,
+are node/schema.py's.
 """
 from __future__ import annotations
 
 import json
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gpuswap.jobs import JobState
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    user TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    gid INTEGER NOT NULL,
-    cwd TEXT NOT NULL,
-    priority INTEGER NOT NULL,
-    gpus INTEGER NOT NULL,
-    mem_bytes INTEGER NOT NULL,
-    preemptible INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    exit_code INTEGER,
-    signal INTEGER,
-    submit_time REAL NOT NULL,
-    state_since REAL NOT NULL,
-    last_start REAL,
-    end_time REAL,
-    attained_gpu_s REAL NOT NULL DEFAULT 0,
-    run_s REAL NOT NULL DEFAULT 0,
-    switch_s REAL NOT NULL DEFAULT 0,
-    assigned TEXT NOT NULL DEFAULT '[]',
-    home_gpus TEXT NOT NULL DEFAULT '[]',
-    parked TEXT,
-    parked_bytes INTEGER NOT NULL DEFAULT 0,
-    device_bytes INTEGER NOT NULL DEFAULT 0,
-    generation INTEGER NOT NULL DEFAULT 0,
-    desired TEXT NOT NULL DEFAULT 'running',
-    desired_tier TEXT,
-    pause_requested_at REAL,
-    hold INTEGER NOT NULL DEFAULT 0,
-    no_runtime INTEGER NOT NULL DEFAULT 0,
-    stopped INTEGER NOT NULL DEFAULT 0,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    preemptions INTEGER NOT NULL DEFAULT 0,
-    step INTEGER,
-    pause_mode TEXT NOT NULL DEFAULT 'auto',
-    mechanism TEXT,
-    attached INTEGER NOT NULL DEFAULT 0,
-    transparent_refused TEXT,
-    abort_reason TEXT,
-    ram_allowance INTEGER,
-    residue TEXT NOT NULL DEFAULT '{}',
-    ranks TEXT NOT NULL DEFAULT '[]',
-    version INTEGER NOT NULL DEFAULT 0,
-    width INTEGER NOT NULL DEFAULT 1,
-    ram_refusal TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
-CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user);
--- A job's bulky, rarely read data, out of the hot `jobs` rows (which the controller and every
--- listing scan): its argv (read for records) and its environment (read only to launch it;
--- dropped once the job ends). Deleted with the job by the retention sweep (node/retention.py).
--- (argv_bytes first: reading it must not walk the overflow pages of the bulky columns after it)
-CREATE TABLE IF NOT EXISTS job_specs (
-    job_id INTEGER PRIMARY KEY,
-    argv_bytes INTEGER NOT NULL,
-    argv TEXT NOT NULL,
-    env TEXT
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id INTEGER NOT NULL,
-    time REAL NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    initiator TEXT          -- who asked for a pause or spill: 'policy' | 'user' (NULL otherwise)
-);
-CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
-CREATE TABLE IF NOT EXISTS decisions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    job_id INTEGER NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS decisions_job ON decisions(job_id);
-CREATE TABLE IF NOT EXISTS usage (
-    user TEXT PRIMARY KEY,
-    gpu_s REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS bandwidths (
-    field TEXT PRIMARY KEY,
-    bytes_per_s REAL NOT NULL,
-    samples INTEGER NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tokens (
-    id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    hash TEXT NOT NULL,
-    created REAL NOT NULL,
-    created_by TEXT NOT NULL,
-    note TEXT NOT NULL DEFAULT ''
-);
-"""
+from gpuswap.node import schema
 
 _JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
-# Columns `jobs` gained after databases were already written: a database of an earlier version
-# gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
-_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"),
-                      ("width", "INTEGER NOT NULL DEFAULT 1"), ("ram_refusal", "TEXT"))
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
@@ -212,7 +109,7 @@ class JobRecord:
 
 
 _RECORD_FIELDS = [f.name for f in fields(JobRecord)]
-# argv lives in job_specs (see SCHEMA); every query that builds records reads `_RECORD_FROM`.
+# argv lives in job_specs (node/schema.py); every query that builds records reads `_RECORD_FROM`.
 _RECORD_COLUMNS = ", ".join("s.argv" if n == "argv" else f"j.{n}" for n in _RECORD_FIELDS)
 _RECORD_FROM = "jobs j LEFT JOIN job_specs s ON s.job_id = j.id"
 _RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
@@ -255,49 +152,38 @@ def _encode(column: str, value: Any) -> Any:
     return value
 
 
+def _wal(db: sqlite3.Connection, wait_s: float = 5.0) -> None:
+    """Put the database in WAL mode (it stays so). Switching a new or rollback-journal file needs an
+    exclusive lock that SQLite does not wait for (the statement already holds a read lock): when
+    another opener is switching or migrating it at the same instant, try again, as long as
+    busy_timeout would have waited."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode & 0xff != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.005)
+
+
 class Store:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(SCHEMA)
-        self._migrate()
-        self._add_columns()
-        if "initiator" not in {r[1] for r in self._db.execute("PRAGMA table_info(events)")}:
-            self._db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")   # a home made before it
-        self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
-
-    def _migrate(self) -> None:
-        """A database written by an earlier version kept argv and env in `jobs`: move them to
-        job_specs (finished jobs' environments are dropped, as they now are when a job ends) and
-        drop the columns, in one transaction, so a crash leaves either schema, never a mix."""
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        if "env" not in columns:
-            return
-        self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute(
-                "INSERT OR REPLACE INTO job_specs (job_id, argv, argv_bytes, env) "
-                f"SELECT id, argv, length(CAST(argv AS BLOB)), "
-                f"CASE WHEN state IN {_TERMINAL_SQL} THEN NULL ELSE env END FROM jobs")
-            self._db.execute("ALTER TABLE jobs DROP COLUMN argv")
-            self._db.execute("ALTER TABLE jobs DROP COLUMN env")
-            self._db.execute("COMMIT")
+            self._db.execute("PRAGMA busy_timeout=5000")    # first: another opener may be migrating
+            schema.refuse_newer(self._db, self.path)         # before anything writes to the file
+            _wal(self._db)
+            self._db.execute("PRAGMA synchronous=FULL")
+            schema.migrate(self._db, self.path)
+            self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._db.close()
             raise
-
-    def _add_columns(self) -> None:
-        """Columns added since a database was written (`_ADDED_JOB_COLUMNS`), each in its own
-        statement: an ADD COLUMN is atomic, and one that is there already is skipped."""
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        for name, definition in _ADDED_JOB_COLUMNS:
-            if name not in columns:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
 
     def _next_version(self) -> int:
         self._version += 1
