@@ -12,144 +12,19 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gpuswap.jobs import JobState
 from gpuswap.node import schema
+from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, JobRecord,
+                                  NewJob, encode)
 
-_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
+__all__ = ["Event", "JobRecord", "NewJob", "Store"]   # the records are node/records.py's, also named here
+
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
-
-_BOOL_COLUMNS = {"preemptible", "hold", "no_runtime", "stopped", "cancel_requested", "attached"}
-
-
-@dataclass
-class JobRecord:
-    """One row of `jobs`, typed. Field names are the column names."""
-
-    id: int
-    name: str
-    user: str
-    uid: int
-    gid: int
-    argv: list[str]
-    cwd: str
-    priority: int
-    gpus: int
-    mem_bytes: int
-    preemptible: bool
-    state: JobState
-    reason: str
-    exit_code: Optional[int]
-    signal: Optional[int]
-    submit_time: float
-    state_since: float
-    last_start: Optional[float]
-    end_time: Optional[float]
-    attained_gpu_s: float
-    run_s: float
-    switch_s: float
-    assigned: list[int]
-    home_gpus: list[int]
-    parked: Optional[str]
-    parked_bytes: int
-    device_bytes: int
-    generation: int
-    desired: str
-    desired_tier: Optional[str]
-    pause_requested_at: Optional[float]
-    hold: bool
-    no_runtime: bool
-    stopped: bool
-    cancel_requested: bool
-    preemptions: int
-    step: Optional[int]
-    pause_mode: str          # auto | cooperative | transparent, as submitted
-    mechanism: Optional[str]  # how the current/last park is done: cooperative | transparent
-    attached: bool           # its gpuswap runtime said hello
-    transparent_refused: Optional[str]  # why the driver path cannot park this job, once found out
-    abort_reason: Optional[str]  # the daemon is stopping the job because of this; it ends FAILED
-    ram_allowance: Optional[int]  # most bytes its RAM park may take (what the budget has left)
-    # GPU -> bytes its processes still held there when its last cooperative RAM park completed
-    # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
-    residue: dict[int, int]
-    # A multi-rank job's ranks as its supervisor last listed them ([] for a single-rank job):
-    # [{"rank", "pid", "state", "connected", "device_bytes"}] (node/ranks.py), for `show` and `ls`.
-    ranks: list[dict[str, Any]]
-    version: int             # store-wide change counter at this row's last write
-    # Ranks of its process group, as its runtime reported them (`world_size`); 1 until one does.
-    # How it can be parked and at what cost follow from it (policy/capability.py).
-    width: int = 1
-    # Why its ranks cannot rebuild their process group (their runtime said so): parked to disk only.
-    ram_refusal: Optional[str] = None
-
-    @property
-    def holds_gpu(self) -> bool:
-        """Its memory is on its GPUs: started and not parked (a SIGSTOPped job still holds it)."""
-        if self.state in (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING):
-            return True
-        return self.state == JobState.PAUSED and self.stopped and self.parked is None
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "JobRecord":
-        values = list(row)
-        for i in _JSON_INDEXES:
-            v = values[i]
-            values[i] = [] if v in ("[]", "{}", None) else json.loads(v)   # most rows: no GPUs, no residue
-        res = values[_RESIDUE_INDEX]          # JSON object keys are strings: GPU indices again
-        values[_RESIDUE_INDEX] = {int(g): int(n) for g, n in res.items()} if isinstance(res, dict) else {}
-        for i in _BOOL_INDEXES:
-            values[i] = bool(values[i])
-        values[_STATE_INDEX] = JobState(values[_STATE_INDEX])
-        return cls(*values)
-
-
-_RECORD_FIELDS = [f.name for f in fields(JobRecord)]
-# argv lives in job_specs (node/schema.py); every query that builds records reads `_RECORD_FROM`.
-_RECORD_COLUMNS = ", ".join("s.argv" if n == "argv" else f"j.{n}" for n in _RECORD_FIELDS)
-_RECORD_FROM = "jobs j LEFT JOIN job_specs s ON s.job_id = j.id"
-_RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
-_JSON_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _JSON_COLUMNS]
-_BOOL_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _BOOL_COLUMNS]
-_STATE_INDEX = _RECORD_FIELDS.index("state")
-_RESIDUE_INDEX = _RECORD_FIELDS.index("residue")
-
-
-@dataclass(frozen=True)
-class Event:
-    time: float
-    state: str
-    reason: str
-
-
-@dataclass
-class NewJob:
-    name: str
-    user: str
-    uid: int
-    gid: int
-    argv: list[str]
-    cwd: str
-    env: dict[str, str]
-    priority: int
-    gpus: int
-    mem_bytes: int
-    preemptible: bool = True
-    pause_mode: str = "auto"
-
-
-def _encode(column: str, value: Any) -> Any:
-    if column in _JSON_COLUMNS:
-        return json.dumps(value)
-    if column in _BOOL_COLUMNS:
-        return int(bool(value))
-    if isinstance(value, JobState):
-        return value.value
-    return value
 
 
 def _wal(db: sqlite3.Connection, wait_s: float = 5.0) -> None:
@@ -232,7 +107,7 @@ class Store:
 
     def get(self, job_id: int) -> Optional[JobRecord]:
         with self._lock:
-            row = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.id=?",
+            row = self._db.execute(f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM} WHERE j.id=?",
                                    (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
 
@@ -244,7 +119,7 @@ class Store:
 
     def list(self, user: Optional[str] = None, live_only: bool = False,
              states: Optional[Iterable[JobState]] = None) -> list[JobRecord]:
-        sql, args = f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM}", []
+        sql, args = f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM}", []
         where = []
         if user is not None:
             where.append("j.user=?")
@@ -281,7 +156,7 @@ class Store:
                     cols = ", ".join(f"{k}=?" for k in changes)
                     self._db.execute(
                         f"UPDATE jobs SET {cols} WHERE id=?",
-                        [_encode(k, v) for k, v in changes.items()] + [job_id],
+                        [encode(k, v) for k, v in changes.items()] + [job_id],
                     )
                 if changes.get("state") in _ENDED:   # its environment is never needed again
                     self._db.execute("UPDATE job_specs SET env=NULL WHERE job_id=?", (job_id,))
@@ -322,7 +197,7 @@ class Store:
         """Jobs written after `version` (an informer's incremental read), oldest change first."""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.version > ? ORDER BY j.version", (version,)
+                f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM} WHERE j.version > ? ORDER BY j.version", (version,)
             ).fetchall()
         return [JobRecord.from_row(r) for r in rows]
 
@@ -345,7 +220,7 @@ class Store:
         order = "ASC" if after is not None else "DESC"
         with self._lock:
             sizes = self._db.execute(
-                f"SELECT j.id, COALESCE(s.argv_bytes, 0) FROM {_RECORD_FROM} WHERE {' AND '.join(where)} "
+                f"SELECT j.id, COALESCE(s.argv_bytes, 0) FROM {RECORD_FROM} WHERE {' AND '.join(where)} "
                 f"ORDER BY j.id {order} LIMIT ?", [*args, limit + 1]).fetchall()
             ids, total = [], 0
             for jid, size in sizes[:limit]:
@@ -362,7 +237,7 @@ class Store:
         rows it then drops."""
         if not ids:
             return []
-        columns, source = (_RECORD_COLUMNS, _RECORD_FROM) if argv else (_RECORD_COLUMNS_NO_ARGV, "jobs j")
+        columns, source = (RECORD_COLUMNS, RECORD_FROM) if argv else (RECORD_COLUMNS_NO_ARGV, "jobs j")
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {columns} FROM {source} WHERE j.id IN ({','.join('?' * len(ids))}) "
