@@ -138,7 +138,8 @@ def test_a_database_written_before_the_residue_column_opens_and_gains_it(home, m
     import sqlite3
     import time
 
-    from gpuswap.node.store import SCHEMA, Store
+    from gpuswap.node.schema import BASELINE_DDL as SCHEMA
+    from gpuswap.node.store import Store
 
     column = "    residue TEXT NOT NULL DEFAULT '{}',\n"
     assert column in SCHEMA

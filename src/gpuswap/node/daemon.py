@@ -20,6 +20,7 @@ from gpuswap.node.cuda_ckpt import CheckpointDriver
 from gpuswap.node.gpus import GpuInventory, NvmlGpus, SimulatedGpus, detect
 from gpuswap.node.homedir import HomeError, prepare, tighten_jobs
 from gpuswap.node.launcher import Launcher
+from gpuswap.node.schema import SchemaTooNew
 from gpuswap.node.store import Store
 from gpuswap.policy.model import PolicyConfig
 
@@ -168,6 +169,8 @@ def serve(opts: ServerOptions) -> None:
         raise DaemonError(str(e)) from None
     try:
         store = Store(home / "state.db")
+    except SchemaTooNew as e:            # a downgrade: never read what this version cannot see
+        raise DaemonError(str(e)) from None
     except sqlite3.Error as e:
         raise DaemonError(f"cannot open the database {home / 'state.db'}: {e}") from None
     try:

@@ -3,256 +3,44 @@
 Every write commits (fsync, synchronous=FULL) before the caller acknowledges anything, so a
 `kill -9` of the daemon at any instant loses nothing that a client was told. One connection,
 guarded by a lock: the API's worker threads and the controller share it; our write rate is far
-below what one connection serves.
+below what one connection serves. The tables, and how an older database is brought up to them,
+are node/schema.py's.
 """
 from __future__ import annotations
 
 import json
 import sqlite3
 import threading
-from dataclasses import dataclass, fields
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gpuswap.jobs import JobState
+from gpuswap.node import schema
+from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, JobRecord,
+                                  NewJob, encode)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    user TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    gid INTEGER NOT NULL,
-    cwd TEXT NOT NULL,
-    priority INTEGER NOT NULL,
-    gpus INTEGER NOT NULL,
-    mem_bytes INTEGER NOT NULL,
-    preemptible INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    exit_code INTEGER,
-    signal INTEGER,
-    submit_time REAL NOT NULL,
-    state_since REAL NOT NULL,
-    last_start REAL,
-    end_time REAL,
-    attained_gpu_s REAL NOT NULL DEFAULT 0,
-    run_s REAL NOT NULL DEFAULT 0,
-    switch_s REAL NOT NULL DEFAULT 0,
-    assigned TEXT NOT NULL DEFAULT '[]',
-    home_gpus TEXT NOT NULL DEFAULT '[]',
-    parked TEXT,
-    parked_bytes INTEGER NOT NULL DEFAULT 0,
-    device_bytes INTEGER NOT NULL DEFAULT 0,
-    generation INTEGER NOT NULL DEFAULT 0,
-    desired TEXT NOT NULL DEFAULT 'running',
-    desired_tier TEXT,
-    pause_requested_at REAL,
-    hold INTEGER NOT NULL DEFAULT 0,
-    no_runtime INTEGER NOT NULL DEFAULT 0,
-    stopped INTEGER NOT NULL DEFAULT 0,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    preemptions INTEGER NOT NULL DEFAULT 0,
-    step INTEGER,
-    pause_mode TEXT NOT NULL DEFAULT 'auto',
-    mechanism TEXT,
-    attached INTEGER NOT NULL DEFAULT 0,
-    transparent_refused TEXT,
-    abort_reason TEXT,
-    ram_allowance INTEGER,
-    residue TEXT NOT NULL DEFAULT '{}',
-    ranks TEXT NOT NULL DEFAULT '[]',
-    version INTEGER NOT NULL DEFAULT 0,
-    width INTEGER NOT NULL DEFAULT 1,
-    ram_refusal TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
-CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user);
--- A job's bulky, rarely read data, out of the hot `jobs` rows (which the controller and every
--- listing scan): its argv (read for records) and its environment (read only to launch it;
--- dropped once the job ends). Deleted with the job by the retention sweep (node/retention.py).
--- (argv_bytes first: reading it must not walk the overflow pages of the bulky columns after it)
-CREATE TABLE IF NOT EXISTS job_specs (
-    job_id INTEGER PRIMARY KEY,
-    argv_bytes INTEGER NOT NULL,
-    argv TEXT NOT NULL,
-    env TEXT
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id INTEGER NOT NULL,
-    time REAL NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    initiator TEXT          -- who asked for a pause or spill: 'policy' | 'user' (NULL otherwise)
-);
-CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
-CREATE TABLE IF NOT EXISTS decisions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    job_id INTEGER NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS decisions_job ON decisions(job_id);
-CREATE TABLE IF NOT EXISTS usage (
-    user TEXT PRIMARY KEY,
-    gpu_s REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS bandwidths (
-    field TEXT PRIMARY KEY,
-    bytes_per_s REAL NOT NULL,
-    samples INTEGER NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tokens (
-    id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    hash TEXT NOT NULL,
-    created REAL NOT NULL,
-    created_by TEXT NOT NULL,
-    note TEXT NOT NULL DEFAULT ''
-);
-"""
+__all__ = ["Event", "JobRecord", "NewJob", "Store"]   # the records are node/records.py's, also named here
 
-_JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
-# Columns `jobs` gained after databases were already written: a database of an earlier version
-# gains them at open (ALTER TABLE ... ADD COLUMN fills the default into every row).
-_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"),
-                      ("width", "INTEGER NOT NULL DEFAULT 1"), ("ram_refusal", "TEXT"))
 _TERMINAL = tuple(s.value for s in JobState if s.terminal)
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
 
-_BOOL_COLUMNS = {"preemptible", "hold", "no_runtime", "stopped", "cancel_requested", "attached"}
 
-
-@dataclass
-class JobRecord:
-    """One row of `jobs`, typed. Field names are the column names."""
-
-    id: int
-    name: str
-    user: str
-    uid: int
-    gid: int
-    argv: list[str]
-    cwd: str
-    priority: int
-    gpus: int
-    mem_bytes: int
-    preemptible: bool
-    state: JobState
-    reason: str
-    exit_code: Optional[int]
-    signal: Optional[int]
-    submit_time: float
-    state_since: float
-    last_start: Optional[float]
-    end_time: Optional[float]
-    attained_gpu_s: float
-    run_s: float
-    switch_s: float
-    assigned: list[int]
-    home_gpus: list[int]
-    parked: Optional[str]
-    parked_bytes: int
-    device_bytes: int
-    generation: int
-    desired: str
-    desired_tier: Optional[str]
-    pause_requested_at: Optional[float]
-    hold: bool
-    no_runtime: bool
-    stopped: bool
-    cancel_requested: bool
-    preemptions: int
-    step: Optional[int]
-    pause_mode: str          # auto | cooperative | transparent, as submitted
-    mechanism: Optional[str]  # how the current/last park is done: cooperative | transparent
-    attached: bool           # its gpuswap runtime said hello
-    transparent_refused: Optional[str]  # why the driver path cannot park this job, once found out
-    abort_reason: Optional[str]  # the daemon is stopping the job because of this; it ends FAILED
-    ram_allowance: Optional[int]  # most bytes its RAM park may take (what the budget has left)
-    # GPU -> bytes its processes still held there when its last cooperative RAM park completed
-    # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
-    residue: dict[int, int]
-    # A multi-rank job's ranks as its supervisor last listed them ([] for a single-rank job):
-    # [{"rank", "pid", "state", "connected", "device_bytes"}] (node/ranks.py), for `show` and `ls`.
-    ranks: list[dict[str, Any]]
-    version: int             # store-wide change counter at this row's last write
-    # Ranks of its process group, as its runtime reported them (`world_size`); 1 until one does.
-    # How it can be parked and at what cost follow from it (policy/capability.py).
-    width: int = 1
-    # Why its ranks cannot rebuild their process group (their runtime said so): parked to disk only.
-    ram_refusal: Optional[str] = None
-
-    @property
-    def holds_gpu(self) -> bool:
-        """Its memory is on its GPUs: started and not parked (a SIGSTOPped job still holds it)."""
-        if self.state in (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING):
-            return True
-        return self.state == JobState.PAUSED and self.stopped and self.parked is None
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "JobRecord":
-        values = list(row)
-        for i in _JSON_INDEXES:
-            v = values[i]
-            values[i] = [] if v in ("[]", "{}", None) else json.loads(v)   # most rows: no GPUs, no residue
-        res = values[_RESIDUE_INDEX]          # JSON object keys are strings: GPU indices again
-        values[_RESIDUE_INDEX] = {int(g): int(n) for g, n in res.items()} if isinstance(res, dict) else {}
-        for i in _BOOL_INDEXES:
-            values[i] = bool(values[i])
-        values[_STATE_INDEX] = JobState(values[_STATE_INDEX])
-        return cls(*values)
-
-
-_RECORD_FIELDS = [f.name for f in fields(JobRecord)]
-# argv lives in job_specs (see SCHEMA); every query that builds records reads `_RECORD_FROM`.
-_RECORD_COLUMNS = ", ".join("s.argv" if n == "argv" else f"j.{n}" for n in _RECORD_FIELDS)
-_RECORD_FROM = "jobs j LEFT JOIN job_specs s ON s.job_id = j.id"
-_RECORD_COLUMNS_NO_ARGV = _RECORD_COLUMNS.replace("s.argv", "'[]'")
-_JSON_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _JSON_COLUMNS]
-_BOOL_INDEXES = [i for i, n in enumerate(_RECORD_FIELDS) if n in _BOOL_COLUMNS]
-_STATE_INDEX = _RECORD_FIELDS.index("state")
-_RESIDUE_INDEX = _RECORD_FIELDS.index("residue")
-
-
-@dataclass(frozen=True)
-class Event:
-    time: float
-    state: str
-    reason: str
-
-
-@dataclass
-class NewJob:
-    name: str
-    user: str
-    uid: int
-    gid: int
-    argv: list[str]
-    cwd: str
-    env: dict[str, str]
-    priority: int
-    gpus: int
-    mem_bytes: int
-    preemptible: bool = True
-    pause_mode: str = "auto"
-
-
-def _encode(column: str, value: Any) -> Any:
-    if column in _JSON_COLUMNS:
-        return json.dumps(value)
-    if column in _BOOL_COLUMNS:
-        return int(bool(value))
-    if isinstance(value, JobState):
-        return value.value
-    return value
+def _wal(db: sqlite3.Connection, wait_s: float = 5.0) -> None:
+    """Put the database in WAL mode (it stays so). Switching a new or rollback-journal file needs an
+    exclusive lock that SQLite does not wait for (the statement already holds a read lock): when
+    another opener is switching or migrating it at the same instant, try again, as long as
+    busy_timeout would have waited."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode & 0xff != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.005)
 
 
 class Store:
@@ -261,43 +49,16 @@ class Store:
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(SCHEMA)
-        self._migrate()
-        self._add_columns()
-        if "initiator" not in {r[1] for r in self._db.execute("PRAGMA table_info(events)")}:
-            self._db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")   # a home made before it
-        self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
-
-    def _migrate(self) -> None:
-        """A database written by an earlier version kept argv and env in `jobs`: move them to
-        job_specs (finished jobs' environments are dropped, as they now are when a job ends) and
-        drop the columns, in one transaction, so a crash leaves either schema, never a mix."""
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        if "env" not in columns:
-            return
-        self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute(
-                "INSERT OR REPLACE INTO job_specs (job_id, argv, argv_bytes, env) "
-                f"SELECT id, argv, length(CAST(argv AS BLOB)), "
-                f"CASE WHEN state IN {_TERMINAL_SQL} THEN NULL ELSE env END FROM jobs")
-            self._db.execute("ALTER TABLE jobs DROP COLUMN argv")
-            self._db.execute("ALTER TABLE jobs DROP COLUMN env")
-            self._db.execute("COMMIT")
+            self._db.execute("PRAGMA busy_timeout=5000")    # first: another opener may be migrating
+            schema.refuse_newer(self._db, self.path)         # before anything writes to the file
+            _wal(self._db)
+            self._db.execute("PRAGMA synchronous=FULL")
+            schema.migrate(self._db, self.path)
+            self._version = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM jobs").fetchone()[0]
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._db.close()
             raise
-
-    def _add_columns(self) -> None:
-        """Columns added since a database was written (`_ADDED_JOB_COLUMNS`), each in its own
-        statement: an ADD COLUMN is atomic, and one that is there already is skipped."""
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        for name, definition in _ADDED_JOB_COLUMNS:
-            if name not in columns:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
 
     def _next_version(self) -> int:
         self._version += 1
@@ -346,7 +107,7 @@ class Store:
 
     def get(self, job_id: int) -> Optional[JobRecord]:
         with self._lock:
-            row = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.id=?",
+            row = self._db.execute(f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM} WHERE j.id=?",
                                    (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
 
@@ -358,7 +119,7 @@ class Store:
 
     def list(self, user: Optional[str] = None, live_only: bool = False,
              states: Optional[Iterable[JobState]] = None) -> list[JobRecord]:
-        sql, args = f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM}", []
+        sql, args = f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM}", []
         where = []
         if user is not None:
             where.append("j.user=?")
@@ -395,7 +156,7 @@ class Store:
                     cols = ", ".join(f"{k}=?" for k in changes)
                     self._db.execute(
                         f"UPDATE jobs SET {cols} WHERE id=?",
-                        [_encode(k, v) for k, v in changes.items()] + [job_id],
+                        [encode(k, v) for k, v in changes.items()] + [job_id],
                     )
                 if changes.get("state") in _ENDED:   # its environment is never needed again
                     self._db.execute("UPDATE job_specs SET env=NULL WHERE job_id=?", (job_id,))
@@ -436,7 +197,7 @@ class Store:
         """Jobs written after `version` (an informer's incremental read), oldest change first."""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_RECORD_COLUMNS} FROM {_RECORD_FROM} WHERE j.version > ? ORDER BY j.version", (version,)
+                f"SELECT {RECORD_COLUMNS} FROM {RECORD_FROM} WHERE j.version > ? ORDER BY j.version", (version,)
             ).fetchall()
         return [JobRecord.from_row(r) for r in rows]
 
@@ -459,7 +220,7 @@ class Store:
         order = "ASC" if after is not None else "DESC"
         with self._lock:
             sizes = self._db.execute(
-                f"SELECT j.id, COALESCE(s.argv_bytes, 0) FROM {_RECORD_FROM} WHERE {' AND '.join(where)} "
+                f"SELECT j.id, COALESCE(s.argv_bytes, 0) FROM {RECORD_FROM} WHERE {' AND '.join(where)} "
                 f"ORDER BY j.id {order} LIMIT ?", [*args, limit + 1]).fetchall()
             ids, total = [], 0
             for jid, size in sizes[:limit]:
@@ -476,7 +237,7 @@ class Store:
         rows it then drops."""
         if not ids:
             return []
-        columns, source = (_RECORD_COLUMNS, _RECORD_FROM) if argv else (_RECORD_COLUMNS_NO_ARGV, "jobs j")
+        columns, source = (RECORD_COLUMNS, RECORD_FROM) if argv else (RECORD_COLUMNS_NO_ARGV, "jobs j")
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {columns} FROM {source} WHERE j.id IN ({','.join('?' * len(ids))}) "

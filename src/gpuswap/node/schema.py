@@ -1,0 +1,217 @@
+"""The layout of `state.db` as ordered migration steps, numbered by SQLite's `PRAGMA user_version`.
+
+A column the code starts to use must reach every database already written, and a database written
+by a newer gpuswap must never be read by an older one (it would miss what it cannot see, or drop
+it). So the layout is a list of steps: step N takes a database at version N-1 to version N. Steps
+are only ever appended, never edited: databases in the field ran each step as it was when they did.
+
+All pending steps run in one IMMEDIATE transaction when the store opens, with `user_version` set at
+its end, so a crash leaves the old layout or the new one, never a mix. Two processes opening an old
+database at once (the daemon and a helper, two helpers) do not both migrate: the second waits for
+the write lock, reads the version again under it and finds nothing left to do. A database whose
+version is newer than the last step here is refused before anything is written to it.
+"""
+from __future__ import annotations
+
+import logging
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+log = logging.getLogger("gpuswap.store")
+
+
+class SchemaTooNew(Exception):
+    """The database was written by a newer gpuswap: reading it could misread or lose its data."""
+
+    def __init__(self, path: Path, found: int, known: int):
+        self.path, self.found, self.known = path, found, known
+        super().__init__(f"{path} was written by a newer gpuswap (database schema version {found}; this one "
+                         f"knows up to {known}): run that version or newer, nothing was changed")
+
+
+@dataclass(frozen=True)
+class Step:
+    version: int                                 # the database's user_version once it has run
+    what: str
+    apply: Callable[[sqlite3.Connection], None]  # runs inside the migration's transaction
+
+
+# -- version 1: the layout of gpuswap 0.1.0, from any database written before versions existed ----
+# Frozen: these statements are what every version-1 database ran. Never edit them; append a step.
+BASELINE_DDL = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    user TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    cwd TEXT NOT NULL,
+    priority INTEGER NOT NULL,
+    gpus INTEGER NOT NULL,
+    mem_bytes INTEGER NOT NULL,
+    preemptible INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    exit_code INTEGER,
+    signal INTEGER,
+    submit_time REAL NOT NULL,
+    state_since REAL NOT NULL,
+    last_start REAL,
+    end_time REAL,
+    attained_gpu_s REAL NOT NULL DEFAULT 0,
+    run_s REAL NOT NULL DEFAULT 0,
+    switch_s REAL NOT NULL DEFAULT 0,
+    assigned TEXT NOT NULL DEFAULT '[]',
+    home_gpus TEXT NOT NULL DEFAULT '[]',
+    parked TEXT,
+    parked_bytes INTEGER NOT NULL DEFAULT 0,
+    device_bytes INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0,
+    desired TEXT NOT NULL DEFAULT 'running',
+    desired_tier TEXT,
+    pause_requested_at REAL,
+    hold INTEGER NOT NULL DEFAULT 0,
+    no_runtime INTEGER NOT NULL DEFAULT 0,
+    stopped INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    preemptions INTEGER NOT NULL DEFAULT 0,
+    step INTEGER,
+    pause_mode TEXT NOT NULL DEFAULT 'auto',
+    mechanism TEXT,
+    attached INTEGER NOT NULL DEFAULT 0,
+    transparent_refused TEXT,
+    abort_reason TEXT,
+    ram_allowance INTEGER,
+    residue TEXT NOT NULL DEFAULT '{}',
+    ranks TEXT NOT NULL DEFAULT '[]',
+    version INTEGER NOT NULL DEFAULT 0,
+    width INTEGER NOT NULL DEFAULT 1,
+    ram_refusal TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_version ON jobs(version);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user);
+-- A job's bulky, rarely read data, out of the hot `jobs` rows (which the controller and every
+-- listing scan): its argv (read for records) and its environment (read only to launch it;
+-- dropped once the job ends). Deleted with the job by the retention sweep (node/retention.py).
+-- (argv_bytes first: reading it must not walk the overflow pages of the bulky columns after it)
+CREATE TABLE IF NOT EXISTS job_specs (
+    job_id INTEGER PRIMARY KEY,
+    argv_bytes INTEGER NOT NULL,
+    argv TEXT NOT NULL,
+    env TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id INTEGER NOT NULL,
+    time REAL NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    initiator TEXT          -- who asked for a pause or spill: 'policy' | 'user' (NULL otherwise)
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+CREATE TABLE IF NOT EXISTS decisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    job_id INTEGER NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS decisions_job ON decisions(job_id);
+CREATE TABLE IF NOT EXISTS usage (
+    user TEXT PRIMARY KEY,
+    gpu_s REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS bandwidths (
+    field TEXT PRIMARY KEY,
+    bytes_per_s REAL NOT NULL,
+    samples INTEGER NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    user TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    hash TEXT NOT NULL,
+    created REAL NOT NULL,
+    created_by TEXT NOT NULL,
+    note TEXT NOT NULL DEFAULT ''
+);
+"""
+# Columns `jobs` gained while databases had no version: one written before them gains them here
+# (ADD COLUMN fills the default into every row).
+_BASELINE_ADDED_JOB_COLUMNS = (("residue", "TEXT NOT NULL DEFAULT '{}'"), ("ranks", "TEXT NOT NULL DEFAULT '[]'"),
+                               ("width", "INTEGER NOT NULL DEFAULT 1"), ("ram_refusal", "TEXT"))
+_BASELINE_ENDED = "('COMPLETED','FAILED','CANCELLED')"
+
+
+def columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _baseline(db: sqlite3.Connection) -> None:
+    """Create the 0.1.0 layout, or bring any database written before versions existed up to it:
+    every table and index made if absent; argv and env, once columns of `jobs`, moved to job_specs
+    (a finished job's environment dropped, as it is when a job ends now); columns added since."""
+    for statement in BASELINE_DDL.split(";"):   # the DDL holds no other ';'
+        if statement.strip():
+            db.execute(statement)
+    if "env" in columns(db, "jobs"):
+        db.execute("INSERT OR REPLACE INTO job_specs (job_id, argv, argv_bytes, env) "
+                   "SELECT id, argv, length(CAST(argv AS BLOB)), "
+                   f"CASE WHEN state IN {_BASELINE_ENDED} THEN NULL ELSE env END FROM jobs")
+        db.execute("ALTER TABLE jobs DROP COLUMN argv")
+        db.execute("ALTER TABLE jobs DROP COLUMN env")
+    have = columns(db, "jobs")
+    for name, definition in _BASELINE_ADDED_JOB_COLUMNS:
+        if name not in have:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    if "initiator" not in columns(db, "events"):
+        db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")
+
+
+# Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
+# with a default every existing row can take), and the code that reads it comes with it.
+STEPS: tuple[Step, ...] = (
+    Step(1, "the gpuswap 0.1.0 layout (and any earlier database brought up to it)", _baseline),
+)
+LATEST = STEPS[-1].version
+
+
+def user_version(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def refuse_newer(db: sqlite3.Connection, path: Path, steps: Sequence[Step] = STEPS) -> int:
+    """The database's version; SchemaTooNew if it is past the last step known here. Only reads:
+    call it before anything (even `journal_mode`) writes to the file."""
+    found, known = user_version(db), steps[-1].version
+    if found > known:
+        raise SchemaTooNew(path, found, known)
+    return found
+
+
+def migrate(db: sqlite3.Connection, path: Path, steps: Sequence[Step] = STEPS) -> list[int]:
+    """Run the steps the database has not run, in one IMMEDIATE transaction; returns their
+    versions ([] when it was up to date). `db` must be in autocommit mode (isolation_level=None)."""
+    if refuse_newer(db, path, steps) == steps[-1].version:
+        return []
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        found = refuse_newer(db, path, steps)   # again, under the write lock: another opener may have migrated
+        pending = [s for s in steps if s.version > found]
+        for step in pending:
+            step.apply(db)
+        if pending:
+            db.execute(f"PRAGMA user_version={int(steps[-1].version)}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:    # SQLite may have rolled back itself (a full disk)
+            db.execute("ROLLBACK")
+        raise
+    if pending:
+        log.info("%s: database schema upgraded from version %d to %d", path, found, steps[-1].version)
+    return [s.version for s in pending]
