@@ -123,7 +123,7 @@ def test_an_absent_default_file_is_no_error(tmp_path):
 BAD_FILES = [
     ("min_runtime = 5\n", "unknown key 'min_runtime'; did you mean 'min-runtime'?"),
     ("bogus = 1\n", "unknown key 'bogus'; the keys are: simulate-gpus"),
-    ("[server]\npolicy = 'fifo'\n", "unknown key 'server'"),
+    ("[server]\npolicy = 'fifo'\n", "unknown key 'server'; settings are keys at the top of the file, not in a table"),
     ('min-runtime = "soon"\n', "min-runtime 'soon' is not a number"),
     ("min-runtime = -1\n", "min-runtime -1 must be a finite number >= 0"),
     ("min-runtime = nan\n", "min-runtime nan must be a finite number >= 0"),
