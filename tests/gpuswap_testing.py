@@ -46,7 +46,9 @@ class Daemon:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(os.environ, GPUSWAP_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        # No GPUSWAP_CONFIG from the caller's shell: a test's daemon reads only what the test gives it.
+        env = {k: v for k, v in os.environ.items() if k != "GPUSWAP_CONFIG"}
+        return dict(env, GPUSWAP_HOME=str(self.home), PYTHONUNBUFFERED="1")
 
     def start(self) -> "Daemon":
         log = open(self.home / "daemon.out", "ab")

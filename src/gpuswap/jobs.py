@@ -8,6 +8,8 @@ import enum
 import re
 from decimal import Decimal
 
+from gpuswap.exitcodes import EX_TEMPFAIL
+
 
 class JobState(str, enum.Enum):
     """Slurm-like job states. The string value is what the API and the database hold."""
@@ -55,9 +57,8 @@ class Tier(str, enum.Enum):
     DISK = "disk"
 
 
-# Exit code a job's runtime uses after writing a disk checkpoint: "requeue me".
-# 75 is EX_TEMPFAIL from sysexits.h ("temporary failure, try again later").
-REQUEUE_EXIT_CODE = 75
+# Exit code a job's runtime uses after writing a disk checkpoint: "requeue me" (exitcodes.py).
+REQUEUE_EXIT_CODE = EX_TEMPFAIL
 
 MAX_SIZE = 2**50     # 1 PiB: no GPU or host memory comes near it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)

@@ -50,7 +50,7 @@ class PeerCredProtocol(H11Protocol):
 class Authorizer:
     """Maps a peer to a Caller. Admins: root, the daemon's own user, members of `admin_group`."""
 
-    def __init__(self, admin_group: Optional[str] = "gpuswap-admin", tokens: Optional[Any] = None):
+    def __init__(self, admin_group: Optional[str], tokens: Optional[Any] = None):
         self.tokens = tokens            # a gpuswap.api.tokens.TokenBook: bearer tokens on the TCP listener
         self.daemon_uid = os.geteuid()
         self.admin_gid: Optional[int] = None

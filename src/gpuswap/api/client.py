@@ -8,10 +8,10 @@ from typing import Any, Optional
 
 import httpx
 
+from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.runtime.channel import ENV_HOME
 
 SYSTEM_HOME = Path("/var/lib/gpuswap")
-EX_USAGE, EX_UNAVAILABLE, EX_FAILURE = 64, 69, 1
 
 
 class ClientError(Exception):

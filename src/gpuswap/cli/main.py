@@ -1,5 +1,6 @@
-"""`gpuswap` command line. Exit codes: 0 ok, 1 failure, 64 usage error, 69 daemon unavailable,
-124 `wait` timed out; `wait` otherwise exits with the job's own exit code."""
+"""`gpuswap` command line. Exit codes (gpuswap/exitcodes.py, listed by `gpuswap --help`): 0 ok,
+1 failure, 64 usage error, 69 daemon unavailable, 124 `wait` timed out; `wait` otherwise exits
+with the job's own exit code."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,13 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gpuswap.api.client import EX_FAILURE, EX_USAGE, Client, ClientError, default_home
+from gpuswap.api.client import Client, ClientError
+from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
+from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_USAGE
 from gpuswap.jobs import parse_size
 
-EX_TIMEOUT = 124
 LS_DEFAULT = 100
 
 
@@ -22,6 +23,10 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", HelpFormatter)   # every verb's options show their defaults
+        super().__init__(*args, **kw)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{self.prog}: {message}")
 
@@ -77,52 +82,23 @@ def _gib(text: str) -> float:
     return value
 
 
-def _duration(text: str) -> Optional[float]:
-    from gpuswap.node.retention import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def build_parser() -> Parser:
-    p = Parser(prog="gpuswap", description="Share GPUs: pause jobs at a safe point, park their memory, resume exactly.")
+    p = Parser(prog="gpuswap", description="Share GPUs: pause jobs at a safe point, park their memory, resume exactly.",
+               epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n`gpuswap VERB --help` says what each verb takes.")
+    p.add_argument("--version", action=VersionAction, help="print gpuswap's version and where it runs from, and exit")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
     json_flag: dict[str, Any] = dict(action="store_true", help="print the record(s) as JSON")
 
-    s = sub.add_parser("server", help="run the daemon for this machine (or this GPUSWAP_HOME)")
-    s.add_argument("--simulate-gpus", metavar="SPEC", help='simulated GPUs for machines without one, e.g. "2x80GiB"')
-    s.add_argument("--policy", default="gpuswap",
-                   help="scheduling policy (default: gpuswap; the live ones are in docs/policies.md)")
-    s.add_argument("--min-runtime", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="minimum runtime after a start/resume before a job may be preempted (default 60)")
-    s.add_argument("--max-switch-fraction", type=_seconds, default=0.2, metavar="F",
-                   help="anti-thrashing: never preempt a job if pausing and resuming it would make switching "
-                        "more than this fraction of its life (default 0.2)")
-    s.add_argument("--pause-timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="how long to wait for a safepoint before falling back (default 60)")
-    s.add_argument("--no-runtime", choices=("wait", "sigstop"), default="wait",
-                   help="for a job that never reaches a safepoint: keep it running (wait) or SIGSTOP it, "
-                        "which keeps its GPU memory allocated (default wait)")
-    s.add_argument("--ram-budget", type=_size, metavar="SIZE", help="host RAM parked jobs may hold (default: half of RAM)")
-    s.add_argument("--admin-group", default="gpuswap-admin", help="members may act on all jobs (default gpuswap-admin)")
-    s.add_argument("--dcgm-job-mapping-dir", type=Path, metavar="DIR",
-                   help="keep dcgm-exporter job-mapping files here (its --hpc-job-mapping-dir)")
-    s.add_argument("--listen", metavar="HOST:PORT",
-                   help="also serve the API and web dashboard on TCP, with bearer tokens (`gpuswap token create`)")
-    s.add_argument("--retention", type=_duration, default=30 * 86400.0, metavar="DURATION",
-                   help="forget finished jobs this long after they end: record, events, output.log and "
-                        "job directory (e.g. 30d, 12h, never; default 30d)")
-    s.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="do not time a 128 MiB disk write and RAM copies at start: switch costs start from "
-                        "defaults (or figures learned from earlier moves) and are refined by real moves")
-    s.set_defaults(func=cmd_server)
+    from gpuswap.cli import server      # its flags are made from the settings object (node/settings.py)
+    server.register(sub)
 
-    s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...")
-    s.add_argument("--name")
-    s.add_argument("--priority", default="normal", choices=("urgent", "high", "normal", "low"))
-    s.add_argument("--gpus", type=int, default=1)
+    s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...",
+                       description="Queue a job. It runs as you, in your working directory and with your "
+                                   "environment, when the policy gives it GPUs.", epilog=JOB_ENVIRONMENT)
+    s.add_argument("--name", help="a name to show in listings (default: the command's name)")
+    s.add_argument("--priority", default="normal", choices=("urgent", "high", "normal", "low"),
+                   help="its class: a higher class may pause lower ones to run (docs/policies.md)")
+    s.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs, all at once")
     s.add_argument("--mem", type=_size, metavar="SIZE", help="GPU memory per GPU the job will use, e.g. 20GiB")
     s.add_argument("--no-preempt", action="store_true", help="never pause this job for another")
     s.add_argument("--pause-mode", choices=("auto", "cooperative", "transparent"), default="auto",
@@ -140,31 +116,33 @@ def build_parser() -> Parser:
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_ls)
 
+    id_help = "the job's id (`gpuswap ls` shows it)"
     s = sub.add_parser("show", help="one job in detail, with its events")
-    s.add_argument("id", type=_job_id)
+    s.add_argument("id", type=_job_id, help=id_help)
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("logs", help="a job's output")
-    s.add_argument("id", type=_job_id)
+    s.add_argument("id", type=_job_id, help=id_help)
     s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     s.set_defaults(func=cmd_logs)
 
     s = sub.add_parser("wait", help="wait for a job to end; exit with its exit code")
-    s.add_argument("id", type=_job_id)
+    s.add_argument("id", type=_job_id, help=id_help)
     s.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 124)")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_wait)
 
     for verb, helptext in (("cancel", "stop a job"), ("resume", "let a paused job run again")):
         s = sub.add_parser(verb, help=helptext)
-        s.add_argument("id", type=_job_id)
+        s.add_argument("id", type=_job_id, help=id_help)
         s.add_argument("--json", **json_flag)
         s.set_defaults(func=cmd_action, action=verb)
 
     s = sub.add_parser("pause", help="park one of your running jobs until `gpuswap resume`")
-    s.add_argument("id", type=_job_id)
-    s.add_argument("--to", choices=("ram", "disk"), default="ram")
+    s.add_argument("id", type=_job_id, help=id_help)
+    s.add_argument("--to", choices=("ram", "disk"), default="ram",
+                   help="where its GPU memory goes: host RAM (fast to resume) or disk (frees RAM too)")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_action, action="pause")
 
@@ -175,7 +153,7 @@ def build_parser() -> Parser:
     s = sub.add_parser("demo", help="an urgent job takes a busy GPU; the long job resumes exactly")
     s.add_argument("--keep", action="store_true",
                    help="keep the demo's state directory (made inside $GPUSWAP_HOME when set, else in /tmp)")
-    s.add_argument("--steps", type=int, default=400, help="training steps of the long job")
+    s.add_argument("--steps", type=int, default=400, metavar="N", help="training steps of the long job")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("selftest", help="prove on this machine's GPUs, under a private daemon, that jobs park "
@@ -201,31 +179,14 @@ def build_parser() -> Parser:
 
     from gpuswap.sim import cli as sim_cli   # imported plainly: a broken import must fail, not hide a verb
     sim_cli.register(sub)
+    from gpuswap.cli import completion, service   # issue 14: shell completion; the systemd unit
+    completion.register(sub, build_parser)
+    service.register(sub)
     sub.metavar = "{" + ",".join(sub.choices) + "}"   # "required: {server,submit,...}", not "verb"
     return p
 
 
 # -- verbs ---------------------------------------------------------------------------------------
-def cmd_server(a: argparse.Namespace) -> int:
-    from gpuswap.node.daemon import DaemonError, OptionError, ServerOptions, serve
-
-    home = default_home()
-    try:
-        serve(ServerOptions(home=home, simulate_gpus=a.simulate_gpus, policy=a.policy,
-                            min_runtime_s=a.min_runtime, max_switch_fraction=a.max_switch_fraction,
-                            pause_timeout_s=a.pause_timeout,
-                            no_runtime=a.no_runtime, ram_budget=a.ram_budget, admin_group=a.admin_group,
-                            listen=a.listen, dcgm_job_mapping_dir=a.dcgm_job_mapping_dir,
-                            retention_s=a.retention, calibrate=a.calibrate))
-    except OptionError as e:
-        print(f"gpuswap server: {e}", file=sys.stderr)
-        return EX_USAGE
-    except DaemonError as e:
-        print(f"gpuswap server: {e}", file=sys.stderr)
-        return EX_FAILURE
-    return 0
-
-
 def cmd_submit(a: argparse.Namespace) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
@@ -379,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpuswap: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EX_INTERRUPTED
     except BrokenPipeError:
         return 0
 

@@ -24,7 +24,7 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
     ls.add_argument("--json", **json_flag)
     ls.set_defaults(func=lambda a: _list(a, client, out))
     rv = tsub.add_parser("revoke", help="revoke a token by its id")
-    rv.add_argument("id")
+    rv.add_argument("id", help="the token's id (`gpuswap token ls` shows it)")
     rv.add_argument("--json", **json_flag)
     rv.set_defaults(func=lambda a: (out(a, client().request("DELETE", f"/v1/tokens/{a.id}").json(),
                                         lambda r: print(f"revoked token {r['revoked']}")), 0)[1])
@@ -33,7 +33,7 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
 
     d = sub.add_parser("dashboard-url", help="create a token and print the web dashboard's URL with it")
     d.add_argument("--user", help="the user the token acts as (admins only)")
-    d.add_argument("--note", default="dashboard")
+    d.add_argument("--note", default="dashboard", help="what the token is for")
     d.add_argument("--json", **json_flag)
     d.set_defaults(func=lambda a: _create(a, client, out, dashboard=True))
 

@@ -30,19 +30,20 @@ import sys
 import threading
 from typing import Any, Optional
 
+from gpuswap.exitcodes import EX_NOEXEC, EX_NOTFOUND, EX_USAGE
 from gpuswap.jobs import REQUEUE_EXIT_CODE
 from gpuswap.runtime.slurm import DEFAULT_SIGNALS, ENV_SIGNALS, parse_signals
 
-EX_USAGE = 64
-EX_NOEXEC = 126
-EX_NOTFOUND = 127
 LAUNCHER_GRACE_S = 60.0   # after the commit: the ranks exit 75, torchrun stops the rest (its own 30 s)
 
 
 def register(sub: Any) -> None:
     """Add the `slurm-wrap` verb to the gpuswap command line."""
+    from gpuswap.cli.helptext import SLURM_ENVIRONMENT
+
     s = sub.add_parser("slurm-wrap", help="run CMD under Slurm, forwarding preemption signals: "
-                                          "gpuswap slurm-wrap [--signals USR2,TERM] -- CMD ...")
+                                          "gpuswap slurm-wrap [--signals USR2,TERM] -- CMD ...",
+                       description=__doc__, epilog=SLURM_ENVIRONMENT)
     s.add_argument("--signals", help=f"signals to forward (default ${ENV_SIGNALS}, else {DEFAULT_SIGNALS}; "
                                      "'none' for none)")
     s.add_argument("--park", action="store_true",

@@ -21,8 +21,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from gpuswap.api.client import EX_UNAVAILABLE, ClientError
+from gpuswap.api.client import ClientError
 from gpuswap.cli.render import duration, plain, reason_text
+from gpuswap.exitcodes import EX_UNAVAILABLE
 from gpuswap.jobs import format_size
 
 STATE_STYLE = {"RUNNING": "green", "PAUSED": "yellow", "PAUSING": "yellow", "RESUMING": "yellow",

@@ -43,11 +43,14 @@ DEMO_DAEMON_ARGS = ("--min-runtime", "2", "--pause-timeout", "30")
 def start_private_daemon(home: Path, simulate: Optional[str], args: tuple[str, ...] = DEMO_DAEMON_ARGS,
                          timeout: float = 30.0) -> subprocess.Popen:
     """A `gpuswap server` of its own on `home` (its socket, its database), never the machine's
-    daemon; returns once it answers. Its output goes to home/daemon.log."""
+    daemon; returns once it answers. Its output goes to home/daemon.log. It reads no config file
+    but its fresh home's (none): never $GPUSWAP_CONFIG, which may be the machine daemon's."""
+    from gpuswap.node.settings import ENV_CONFIG
+
     argv = [sys.executable, "-m", "gpuswap.cli.main", "server", *args]
     if simulate:
         argv += ["--simulate-gpus", simulate]
-    env = dict(os.environ, GPUSWAP_HOME=str(home))
+    env = {k: v for k, v in os.environ.items() if k != ENV_CONFIG} | {ENV_HOME: str(home)}
     proc = subprocess.Popen(argv, env=env, stdout=open(home / "daemon.log", "ab"), stderr=subprocess.STDOUT)
     client = Client(home)
     deadline = time.monotonic() + timeout

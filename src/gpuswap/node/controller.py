@@ -37,10 +37,11 @@ HELD = Wait("", "JobHeldUser", "paused by its owner; `gpuswap resume` lets it ru
 
 @dataclass
 class ControllerConfig:
-    policy: str = "gpuswap"
-    pause_timeout_s: float = 60.0      # no safepoint within this long after a pause request: fall back
-    no_runtime: str = "wait"           # fallback: "wait" (keep running) or "sigstop" (memory stays on GPU)
-    ram_budget: int = 0                # bytes of host RAM parked jobs may hold
+    """The daemon's settings the controller acts on; their defaults and checks are node/settings.py's."""
+    policy: str
+    pause_timeout_s: float             # no safepoint within this long after a pause request: fall back
+    no_runtime: str                    # fallback: "wait" (keep running) or "sigstop" (memory stays on GPU)
+    ram_budget: int                    # bytes of host RAM parked jobs may hold
     tick_s: float = 0.2
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
 

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import math
 import os
+import signal
 import sqlite3
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +20,7 @@ from gpuswap.node.gpus import GpuInventory, NvmlGpus, SimulatedGpus, detect
 from gpuswap.node.homedir import HomeError, prepare, tighten_jobs
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.schema import SchemaTooNew
+from gpuswap.node.settings import ServerSettings
 from gpuswap.node.store import Store
 from gpuswap.policy.model import PolicyConfig
 
@@ -29,58 +29,6 @@ log = logging.getLogger("gpuswap.daemon")
 
 class DaemonError(Exception):
     """A reason the daemon cannot start, for one clear line on stderr."""
-
-
-class OptionError(DaemonError):
-    """The daemon was started with options it cannot run with (a usage error: exit 64)."""
-
-
-@dataclass
-class ServerOptions:
-    home: Path
-    simulate_gpus: Optional[str] = None
-    policy: str = "gpuswap"
-    min_runtime_s: float = 60.0
-    max_switch_fraction: float = 0.2
-    pause_timeout_s: float = 60.0
-    no_runtime: str = "wait"
-    ram_budget: Optional[int] = None
-    admin_group: Optional[str] = "gpuswap-admin"
-    listen: Optional[str] = None      # HOST:PORT for a TCP listener with bearer tokens
-    dcgm_job_mapping_dir: Optional[Path] = None   # dcgm-exporter --hpc-job-mapping-dir
-    retention_s: Optional[float] = 30 * 86400     # forget finished jobs this long after they end; None: never
-    calibrate: bool = True            # time disk and RAM moves at start (bandwidth.py)
-
-
-def check_options(opts: ServerOptions) -> None:
-    """Refuse options the daemon could not honour, before it touches its home: an unknown policy
-    would otherwise fail every controller tick and leave every job PENDING for good."""
-    from gpuswap.policy import LIVE_POLICIES, POLICIES
-
-    if opts.policy not in LIVE_POLICIES:
-        why = ("needs each job's true remaining time, so it runs only in the simulator (gpuswap sim)"
-               if opts.policy in POLICIES else "is not a policy")
-        raise OptionError(f"--policy {opts.policy!r} {why}; choose one of: {', '.join(LIVE_POLICIES)}")
-    for flag, value in (("--min-runtime", opts.min_runtime_s), ("--pause-timeout", opts.pause_timeout_s),
-                        ("--max-switch-fraction", opts.max_switch_fraction)):
-        if not math.isfinite(value) or value < 0:
-            raise OptionError(f"{flag} {value:g} must be a finite number >= 0")
-    if opts.retention_s is not None and not (math.isfinite(opts.retention_s) and opts.retention_s >= 0):
-        raise OptionError(f"--retention {opts.retention_s:g} must be a finite number of seconds >= 0")
-    if opts.ram_budget is not None and opts.ram_budget < 0:
-        raise OptionError(f"--ram-budget {opts.ram_budget} must be >= 0 bytes")
-    if opts.simulate_gpus is not None:
-        try:
-            SimulatedGpus.parse(opts.simulate_gpus)
-        except ValueError as e:
-            raise OptionError(str(e)) from None
-    if opts.listen is not None:
-        from gpuswap.node.listener import ListenError, parse_listen
-
-        try:   # an unreadable address is a usage error; one that cannot be bound (taken) is not
-            parse_listen(opts.listen)
-        except ListenError as e:
-            raise OptionError(str(e)) from None
 
 
 def socket_path(home: Path) -> Path:
@@ -139,7 +87,14 @@ def sim_device_dir(home: Path) -> Path:
     return home / "simulated-driver"
 
 
-def serve(opts: ServerOptions) -> None:
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def serve(home: Path, opts: ServerSettings) -> None:
+    """Serve `home` until SIGTERM or SIGINT, with settings already checked (node/settings.py).
+    Jobs' supervisors are not ours to stop: they outlive this process, and the next daemon for
+    `home` takes them up again (the systemd unit relies on it: KillMode=process)."""
     import uvicorn
 
     from gpuswap.api.app import create_app
@@ -149,8 +104,6 @@ def serve(opts: ServerOptions) -> None:
     from gpuswap.node.conn_guard import ConnectionGuard, connection_budget, guarded, quiet_accept_errors, server_limits
     from gpuswap.node.retention import RetentionSweeper
 
-    check_options(opts)
-    home = opts.home
     try:
         prepare(home)                    # private whatever the umask; an old loose home tightened
         lock_fd = _take_instance_lock(home)
@@ -185,10 +138,10 @@ def serve(opts: ServerOptions) -> None:
     if opts.calibrate:
         threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
                          daemon=True).start()
-    config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s,
+    config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s, no_runtime=opts.no_runtime,
+                              ram_budget=opts.ram_budget or default_ram_budget(),
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
-                                                         max_switch_fraction=opts.max_switch_fraction), no_runtime=opts.no_runtime,
-                              ram_budget=opts.ram_budget or default_ram_budget())
+                                                         max_switch_fraction=opts.max_switch_fraction))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = create_app(store, controller, gpus, launcher, Authorizer(opts.admin_group, TokenBook(store)))
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None
@@ -221,6 +174,10 @@ def serve(opts: ServerOptions) -> None:
     server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), http=guarded(PeerCredProtocol, uds_guard),
                                            lifespan="off", log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=2, **server_limits(uds_guard)))
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler it found:
+    # under the default one the process died right there, skipping the cleanup below. This one
+    # ends serve() through it, and the process exits 0 (`systemctl stop`: a clean stop).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         server.run()
     finally:

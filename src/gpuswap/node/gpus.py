@@ -60,19 +60,20 @@ class SimulatedGpus(GpuInventory):
         self.count, self.mem_total, self.device = count, mem_total, device
 
     @classmethod
-    def parse(cls, spec: str) -> "SimulatedGpus":
+    def parse(cls, spec: str, name: str = "--simulate-gpus") -> "SimulatedGpus":
         """'2x80GiB' -> two simulated 80 GiB GPUs; '4' -> four of 80 GiB. A GPU without memory
-        could hold no job, and thousands of them would only slow every tick: both are refused."""
+        could hold no job, and thousands of them would only slow every tick: both are refused.
+        `name` is how errors name the setting (the flag, or the config file's key)."""
         m = re.fullmatch(r"\s*(\d+)\s*(?:[xX*]\s*(.+))?", spec or "")
         if not m or not 1 <= int(m.group(1)) <= MAX_SIMULATED:
-            raise ValueError(f"cannot read --simulate-gpus {spec!r}; write COUNTxSIZE with a count from 1 "
+            raise ValueError(f"cannot read {name} {spec!r}; write COUNTxSIZE with a count from 1 "
                              f"to {MAX_SIMULATED}, e.g. 2x80GiB")
         try:
             mem = parse_size(m.group(2) or "80GiB")
         except ValueError as e:
-            raise ValueError(f"cannot read --simulate-gpus {spec!r}: {e}") from None
+            raise ValueError(f"cannot read {name} {spec!r}: {e}") from None
         if mem < 1:
-            raise ValueError(f"--simulate-gpus {spec!r} gives its GPUs no memory; write e.g. 2x80GiB")
+            raise ValueError(f"{name} {spec!r} gives its GPUs no memory; write e.g. 2x80GiB")
         return cls(int(m.group(1)), mem)
 
     def list(self) -> list[GpuInfo]:

@@ -68,7 +68,7 @@ class Observation:
 
 
 class Launcher:
-    def __init__(self, home: Path, simulated: bool, pause_timeout_s: float = 60.0):
+    def __init__(self, home: Path, simulated: bool, pause_timeout_s: float):
         self.home = home
         self.simulated = simulated
         self.pause_timeout_s = pause_timeout_s   # a multi-rank job's supervisor bounds each phase by it

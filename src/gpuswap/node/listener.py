@@ -4,7 +4,7 @@ There is no kernel-checked peer on TCP, so every request must carry a bearer tok
 api/tokens.py); the app is the very same object as on the Unix socket, so the authorization
 rules are too. We bind the socket ourselves, before anything else starts, so that a taken port or
 a bad address is one clear line (exit code 1; 64 for one that cannot be read, see
-daemon.check_options) rather than a uvicorn traceback in a thread.
+node/settings.py) rather than a uvicorn traceback in a thread.
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ class ListenError(Exception):
     """A --listen address that cannot be parsed or bound."""
 
 
-def parse_listen(spec: str) -> tuple[str, int]:
-    """'127.0.0.1:8080' / '[::1]:8080' / ':8080' (all interfaces) -> (host, port)."""
+def parse_listen(spec: str, name: str = "--listen") -> tuple[str, int]:
+    """'127.0.0.1:8080' / '[::1]:8080' / ':8080' (all interfaces) -> (host, port). `name` is how
+    the error names the setting: the flag, or the config file's key."""
     host, sep, port = spec.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ListenError(f"cannot read --listen {spec!r}; write HOST:PORT, e.g. 127.0.0.1:8080")
+        raise ListenError(f"cannot read {name} {spec!r}; write HOST:PORT, e.g. 127.0.0.1:8080")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return host or "0.0.0.0", int(port)
 

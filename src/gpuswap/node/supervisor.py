@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuswap.exitcodes import EX_USAGE
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
 from gpuswap.node import execshim, messages, sessions
 from gpuswap.node.ranks import RankTable
@@ -519,7 +520,7 @@ class Supervisor:
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m gpuswap.node.supervisor RUN_DIR", file=sys.stderr)
-        return 64
+        return EX_USAGE
     return Supervisor(Path(argv[0])).run()
 
 

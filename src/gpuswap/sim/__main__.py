@@ -2,15 +2,16 @@
 import argparse
 import sys
 
+from gpuswap.exitcodes import EX_USAGE
 from gpuswap.sim.cli import add_arguments, run
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors exit 64 with one line, as `gpuswap sim` does (argparse's own exit is 2)."""
+    """Usage errors exit EX_USAGE (64) with one line, as `gpuswap sim` does (argparse's own exit is 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"{self.prog}: {message}", file=sys.stderr)
-        sys.exit(64)
+        sys.exit(EX_USAGE)
 
 
 def main() -> int:

@@ -7,21 +7,19 @@ import sys
 import time
 from typing import Any, Optional
 
+from gpuswap.exitcodes import EX_SOFTWARE, EX_USAGE
 from gpuswap.jobs import parse_size
-from gpuswap.policy import POLICIES
+from gpuswap.policy import DEFAULT_POLICY, POLICIES
 from gpuswap.policy.model import PolicyConfig
-
-EX_USAGE = 64
-EX_SOFTWARE = 70
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="CSV trace (see docs/simulator.md for columns)")
-    p.add_argument("--policy", default="gpuswap",
+    p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy name or comma list; one of: {', '.join(POLICIES)}")
     p.add_argument("--compare", action="store_true", help="run every policy on the same trace and seed")
-    p.add_argument("--nodes", type=int, default=64)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=64, metavar="N", help="nodes in the simulated cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs on each node")
     p.add_argument("--ram-per-node", default="256GiB", help="host RAM per node for parked GPU state")
     p.add_argument("--switch-cost", default="gpuswap",
                    help="gpuswap | checkpoint | fixed:SECONDS | measured:FILE (gpuswap gpus --json)")
@@ -30,11 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost (default); none: multi-GPU jobs are not preemptible (gpuswap before issue 13)")
     p.add_argument("--urgent-fraction", type=float, default=0.1,
                    help="share of jobs <= 15 min marked urgent when the trace has no class column")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for the trace's random choices (urgent marks); the same seed gives the same run")
     p.add_argument("--limit", type=int, default=None, help="use only the first N jobs (by submit time)")
     p.add_argument("--tick", type=float, default=300.0,
                    help="seconds between re-evaluations while jobs wait (time-based rules)")
-    p.add_argument("--min-runtime", type=float, default=PolicyConfig().min_runtime_s)
+    p.add_argument("--min-runtime", type=float, default=PolicyConfig().min_runtime_s, metavar="SECONDS",
+                   help="minimum runtime after a start or resume before a job may be preempted")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
 
 

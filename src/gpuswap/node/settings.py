@@ -1,0 +1,344 @@
+"""The daemon's settings: one typed object whose fields carry their default, unit and help, filled
+from three sources in order of precedence: command-line flags > config file (TOML) > defaults.
+
+Why one object: the defaults used to be declared three times (the flags, the daemon's options, the
+controller's config) and checked twice (argparse types, then again at start). Here each setting is
+declared once, and every value, whatever its source, passes once through its field's reader: a
+flag's text and a TOML value meet the same check and the same one-line error (exit 64).
+
+The config file is `--config PATH`, else `$GPUSWAP_CONFIG`, else /etc/gpuswap/gpuswap.toml for the
+machine-wide daemon (home /var/lib/gpuswap) and `HOME/gpuswap.toml` for a daemon of any other
+state directory; a file named by the first two must exist, the default one is read only if it
+does. Its keys are the flags' names without the dashes (`calibrate = false` for `--no-calibrate`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from gpuswap.jobs import parse_size
+from gpuswap.policy import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
+from gpuswap.policy.model import PolicyConfig
+
+ENV_CONFIG = "GPUSWAP_CONFIG"
+SYSTEM_CONFIG = Path("/etc/gpuswap/gpuswap.toml")
+CONFIG_NAME = "gpuswap.toml"          # beside the state of any other daemon: HOME/gpuswap.toml
+_POLICY = PolicyConfig()              # min-runtime and max-switch-fraction are the policy's own defaults
+
+
+class SettingsError(Exception):
+    """A setting the daemon cannot run with, or a config file it cannot use: one line, exit 64."""
+
+
+# -- readers: (raw value, its name for errors) -> value, or ValueError saying why -------------------
+def _kind(raw: Any) -> str:
+    """A TOML value's type, as the TOML spec names it, for errors about a file."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+             (list, "an array"), (dict, "a table"), (datetime.date, "a date"), (datetime.time, "a time"))
+    return next((name for t, name in kinds if isinstance(raw, t)), type(raw).__name__)
+
+
+def _string(raw: Any, name: str) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"{name} must be a string, not {_kind(raw)}")
+    return raw
+
+
+def _number(raw: Any, name: str) -> float:
+    """A finite number >= 0: nan, inf and negatives are errors, not values that silently mean
+    'forever' or 'never'. Text (a flag) or a TOML integer or float; never a boolean."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ValueError(f"{name} must be a number, not {_kind(raw)}")
+    try:
+        value = float(raw)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name} {raw!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} {raw!r} must be a finite number >= 0")
+    return value
+
+
+def _boolean(raw: Any, name: str) -> bool:
+    if not isinstance(raw, bool):
+        raise ValueError(f"{name} must be true or false, not {_kind(raw)}")
+    return raw
+
+
+def _choice(*choices: str) -> Callable[[Any, str], str]:
+    def read(raw: Any, name: str) -> str:
+        if _string(raw, name) not in choices:
+            raise ValueError(f"{name} {raw!r} must be one of: {', '.join(choices)}")
+        return raw
+    return read
+
+
+def _policy(raw: Any, name: str) -> str:
+    """A policy the daemon can run: an unknown one would fail every controller tick and leave every
+    job PENDING for good."""
+    if _string(raw, name) not in LIVE_POLICIES:
+        why = ("needs each job's true remaining time, so it runs only in the simulator (gpuswap sim)"
+               if raw in POLICIES else "is not a policy")
+        raise ValueError(f"{name} {raw!r} {why}; choose one of: {', '.join(LIVE_POLICIES)}")
+    return raw
+
+
+def _gpu_spec(raw: Any, name: str) -> str:
+    from gpuswap.node.gpus import SimulatedGpus
+
+    spec = str(raw) if isinstance(raw, int) and not isinstance(raw, bool) else _string(raw, name)
+    SimulatedGpus.parse(spec, name)          # refused here, before the daemon touches its home
+    return spec
+
+
+def _size(raw: Any, name: str) -> int:
+    """Bytes: a size with its unit ("64GiB"), or a whole number of bytes."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw < 0:
+            raise ValueError(f"{name} {raw} must be >= 0 bytes")
+        return raw
+    try:
+        return parse_size(_string(raw, name))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _duration(raw: Any, name: str) -> Optional[float]:
+    """Seconds: "30d", "12h", "90m", "45s", "2w", a number of seconds, or "never" (None)."""
+    from gpuswap.node.retention import parse_duration
+
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return _number(raw, name)
+    try:
+        return parse_duration(_string(raw, name))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _listen(raw: Any, name: str) -> str:
+    from gpuswap.node.listener import ListenError, parse_listen
+
+    try:   # an unreadable address is a usage error; one that cannot be bound (taken) is not
+        parse_listen(_string(raw, name), name)
+    except ListenError as e:
+        raise ValueError(str(e)) from None
+    return raw
+
+
+def _directory(raw: Any, name: str) -> Path:
+    if not _string(raw, name).strip():
+        raise ValueError(f"{name} must name a directory, not an empty string")
+    return Path(raw).expanduser()
+
+
+# -- how values read back, as TOML literals (`gpuswap server --print-config`) ----------------------
+def _toml(value: Any) -> Optional[str]:
+    """A TOML literal; None for a setting that is not set (TOML has no null)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A TOML basic string takes JSON's escapes; DEL must be escaped too, and non-ASCII stays as is
+    # (TOML's \u escapes cannot spell surrogate pairs).
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_duration(value: Optional[float]) -> str:
+    if value is None:
+        return '"never"'
+    for unit, seconds in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if value >= seconds and value % seconds == 0:
+            return f'"{value / seconds:g}{unit}"'
+    return _toml(value)
+
+
+def _toml_size(value: Optional[int]) -> Optional[str]:
+    if value is None:
+        return None
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale and value % scale == 0:
+            return f'"{value // scale}{unit}"'
+    return _toml(value)
+
+
+# -- the settings ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """What the flag, the config file and the help say about one setting."""
+    key: str                              # the config file's key; the flag is --KEY, unless `flag`
+    help: str
+    read: Callable[[Any, str], Any]       # the one check every value of this setting passes
+    unit: str = ""                        # the flag's metavar ("SECONDS"); none for a switch
+    default_text: str = ""                # the default in words, where the value alone says too little
+    flag: str = ""                        # "--no-calibrate": a switch that turns a true default off
+    flag_help: str = ""                   # what that switch does, where `help` says what the key does
+    show: Callable[[Any], Optional[str]] = _toml   # value -> TOML literal; None: not set
+
+    @property
+    def option(self) -> str:
+        return self.flag or f"--{self.key}"
+
+
+def _setting(default: Any, key: str, help: str, read: Callable[[Any, str], Any], **spec: Any) -> Any:
+    return field(default=default, metadata={"spec": Spec(key, help, read, **spec)})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `gpuswap server` can be told; the state directory (GPUSWAP_HOME) is not a setting:
+    it names the daemon, and its clients find it by the same variable."""
+    simulate_gpus: Optional[str] = _setting(
+        None, "simulate-gpus", 'simulated GPUs for machines without one, e.g. "2x80GiB" (COUNTxSIZE; '
+        "a bare COUNT is of 80 GiB); no real GPU is used, and every view says SIMULATED", _gpu_spec,
+        unit="SPEC", default_text="the machine's real GPUs")
+    policy: str = _setting(
+        DEFAULT_POLICY, "policy", f"scheduling policy: {', '.join(LIVE_POLICIES)} (docs/policies.md)", _policy,
+        unit="NAME")
+    min_runtime_s: float = _setting(
+        _POLICY.min_runtime_s, "min-runtime",
+        "minimum runtime after a start or resume before a job may be preempted", _number, unit="SECONDS")
+    max_switch_fraction: float = _setting(
+        _POLICY.max_switch_fraction, "max-switch-fraction",
+        "anti-thrashing: never preempt a job if pausing and resuming it would make switching more than "
+        "this fraction of its life", _number, unit="FRACTION")
+    pause_timeout_s: float = _setting(
+        60.0, "pause-timeout", "how long to wait for a safepoint before falling back", _number, unit="SECONDS")
+    no_runtime: str = _setting(
+        "wait", "no-runtime", "for a job that never reaches a safepoint: keep it running (wait) or "
+        "SIGSTOP it, which keeps its GPU memory allocated", _choice("wait", "sigstop"), unit="{wait,sigstop}")
+    ram_budget: Optional[int] = _setting(
+        None, "ram-budget", "host RAM parked jobs may hold", _size, unit="SIZE",
+        default_text="half of the machine's RAM", show=_toml_size)
+    admin_group: str = _setting(
+        "gpuswap-admin", "admin-group", "members may act on all jobs", _string, unit="GROUP")
+    dcgm_job_mapping_dir: Optional[Path] = _setting(
+        None, "dcgm-job-mapping-dir", "keep dcgm-exporter job-mapping files here "
+        "(its --hpc-job-mapping-dir)", _directory, unit="DIR", default_text="none kept")
+    listen: Optional[str] = _setting(
+        None, "listen", "also serve the API and web dashboard on TCP, with bearer tokens "
+        "(`gpuswap token create`)", _listen, unit="HOST:PORT", default_text="the Unix socket only")
+    retention_s: Optional[float] = _setting(
+        30 * 86400.0, "retention", "forget finished jobs this long after they end: record, events, "
+        'output.log and job directory (e.g. 30d, 12h, 90m, 45s, or "never")', _duration,
+        unit="DURATION", default_text="30d", show=_toml_duration)
+    calibrate: bool = _setting(
+        True, "calibrate", "time a 128 MiB disk write and RAM copies at start, for the switch costs' "
+        "first figures (false: start from defaults, or figures learned from earlier moves; real moves "
+        "refine them either way)", _boolean, flag="--no-calibrate",
+        flag_help="do not time a 128 MiB disk write and RAM copies at start: switch costs start from "
+                  "defaults (or figures learned from earlier moves) and are refined by real moves "
+                  "(config file: calibrate = false)")
+
+
+def specs() -> list[tuple[str, Spec, Any]]:
+    """(field name, spec, default) of every setting, in declaration order."""
+    return [(f.name, f.metadata["spec"], f.default) for f in dataclasses.fields(ServerSettings)]
+
+
+def default_text(spec: Spec, default: Any) -> str:
+    if spec.default_text:
+        return spec.default_text
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+# -- the sources -----------------------------------------------------------------------------------
+def config_file(given: Optional[str], env: Mapping[str, str], home: Path, system_home: Path) -> tuple[Optional[Path], bool]:
+    """(path, must_exist): `--config`, else $GPUSWAP_CONFIG (both must exist), else the default
+    for this state directory (read only if it exists)."""
+    if given is not None:
+        return Path(given).expanduser(), True
+    if env.get(ENV_CONFIG):
+        return Path(env[ENV_CONFIG]).expanduser(), True
+    return (SYSTEM_CONFIG if home == system_home else home / CONFIG_NAME), False
+
+
+def read_file(path: Optional[Path], must_exist: bool) -> dict[str, Any]:
+    """The file's settings as TOML values (checked by `load`), {} for an absent default file."""
+    if path is None:
+        return {}
+    try:
+        import tomllib
+    except ModuleNotFoundError:     # Python 3.10: the same parser, as a package
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            tomllib = None
+    try:
+        with open(path, "rb") as f:
+            _check_owner(path, os.fstat(f.fileno()))
+            if tomllib is None:
+                raise SettingsError(f"{path}: reading a config file needs Python 3.11+ or the tomli package")
+            return tomllib.load(f)
+    except FileNotFoundError:
+        if must_exist:
+            raise SettingsError(f"{path}: no such config file") from None
+        return {}
+    except IsADirectoryError:
+        raise SettingsError(f"{path}: is a directory, not a config file") from None
+    except OSError as e:
+        raise SettingsError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    except ValueError as e:      # tomllib.TOMLDecodeError, or bytes that are not UTF-8
+        raise SettingsError(f"{path}: not valid TOML: {e}") from None
+
+
+def _check_owner(path: Path, st: os.stat_result) -> None:
+    """A file that someone other than the daemon's user (or root) may write would let them choose
+    its settings (the admin group, the TCP listener): refused, as sshd refuses such a key file."""
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise SettingsError(f"{path}: owned by uid {st.st_uid}; the config file must be owned by root "
+                            f"or by the daemon's user (uid {me})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SettingsError(f"{path}: others may write it (mode {stat.S_IMODE(st.st_mode):04o}); "
+                            "make it writable by its owner only (chmod go-w)")
+
+
+def load(flags: Mapping[str, Any], file_values: Mapping[str, Any], path: Optional[Path] = None) -> ServerSettings:
+    """Flags (field name -> the flag's value, only those given) over the file's values (key -> TOML
+    value) over the defaults, each value read once by its setting's reader."""
+    by_key = {spec.key: (name, spec) for name, spec, _ in specs()}
+    values: dict[str, Any] = {}
+    for key, raw in file_values.items():
+        if key not in by_key:
+            near = difflib.get_close_matches(key.replace("_", "-"), by_key, n=1)
+            hint = (f"; did you mean {near[0]!r}?" if near else
+                    "; settings are keys at the top of the file, not in a table" if isinstance(raw, dict) else
+                    f"; the keys are: {', '.join(by_key)}")
+            raise SettingsError(f"{path}: unknown key {key!r}{hint}")
+        name, spec = by_key[key]
+        try:
+            values[name] = spec.read(raw, key)
+        except ValueError as e:
+            raise SettingsError(f"{path}: {e}") from None
+    for name, spec, _ in specs():
+        if name in flags:
+            try:
+                values[name] = spec.read(flags[name], spec.option)
+            except ValueError as e:
+                raise SettingsError(str(e)) from None
+    return ServerSettings(**values)
+
+
+def to_toml(settings: ServerSettings, sources: str) -> str:
+    """The settings as a config file, each with its help as a comment; one that is not set is
+    shown commented out. `gpuswap server --print-config > gpuswap.toml` starts a config file."""
+    import textwrap
+
+    lines = [f"# gpuswap server settings ({sources})", "# `gpuswap server --help` says what each does.", ""]
+    for name, spec, default in specs():
+        literal = spec.show(getattr(settings, name))
+        lines += textwrap.wrap(f"{spec.help} (default: {default_text(spec, default)})", 98,
+                               initial_indent="# ", subsequent_indent="# ")
+        lines += [f"{spec.key} = {literal}" if literal is not None else f"# {spec.key} = (not set)", ""]
+    return "\n".join(lines)
