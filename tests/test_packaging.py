@@ -4,6 +4,7 @@ constraints/tested.txt pins the environment the tests run in, and CI runs README
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -160,21 +161,25 @@ def test_ci_runs_exactly_readmes_test_command_with_the_constraints():
     assert test in ci
 
 
-BLOCKER = ("import sys\n"
-           "# This test's stand-in for an install without the extras: `import numpy` raises\n"
-           "# ModuleNotFoundError and importlib.util.find_spec('numpy') is None, as when absent.\n"
-           f"sys.modules.update(dict.fromkeys({list(EXTRAS)!r}))\n")
+def _absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: set[str]) -> list[str]:
+    """Make every Python started from here on (daemon, jobs, CLI) see an install of gpuswap with
+    `installed` extras: the optional modules those do not bring are absent (`import numpy` raises
+    ModuleNotFoundError, importlib.util.find_spec('numpy') is None). Returns them."""
+    have = declared(installed)
+    absent = [m for m in EXTRAS if dist_of(m) not in have]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({absent!r}))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    return absent
 
 
 def test_daemon_and_cli_run_without_the_extras(tmp_path, monkeypatch, make_daemon):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCKER)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    absent = _absent(tmp_path, monkeypatch, set())
     d = make_daemon()
     # The job (started by the daemon, under the same environment) sees no optional library either.
     probe = ("import importlib.util, sys; "
-             f"sys.exit(3 if any(importlib.util.find_spec(m) for m in {list(EXTRAS)!r}) else 0)")
+             f"sys.exit(3 if any(importlib.util.find_spec(m) for m in {absent!r}) else 0)")
     job = d.submit([sys.executable, "-c", probe], name="plain")
     assert d.state(job, "COMPLETED", "FAILED")["state"] == "COMPLETED"
     for verb in (["ls"], ["gpus"], ["show", str(job)]):
@@ -187,3 +192,17 @@ def test_daemon_and_cli_run_without_the_extras(tmp_path, monkeypatch, make_daemo
         assert (res.returncode, res.stdout) == (1, ""), res.stderr
         assert res.stderr == ("gpuswap sim: needs numpy and matplotlib, not installed here: "
                               "pip install 'gpuswap[sim]'\n")
+
+
+def test_the_demos_training_job_runs_with_the_torch_extra_alone(tmp_path, monkeypatch):
+    """README's demo installs `.[torch]` only; its job hashes parameters through Tensor.numpy()."""
+    pytest.importorskip("torch", reason="torch is not installed: pip install 'gpuswap[torch]'")
+    absent = _absent(tmp_path, monkeypatch, {"torch"})
+    assert "matplotlib" in absent and "torch" not in absent
+    out = tmp_path / "result.json"
+    res = subprocess.run([sys.executable, "-m", "gpuswap.demo.train", "--steps", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "NumPy" not in res.stderr, res.stderr   # torch's warning when numpy is missing
+    assert len(json.loads(out.read_text())["sha256"]) == 64
