@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import time
 from typing import Any, Optional
 
-from gpuswap.exitcodes import EX_SOFTWARE, EX_USAGE
+from gpuswap.exitcodes import EX_FAILURE, EX_SOFTWARE, EX_USAGE
 from gpuswap.jobs import parse_size
 from gpuswap.policy import DEFAULT_POLICY, POLICIES
 from gpuswap.policy.model import PolicyConfig
+
+SIM_EXTRA = ("numpy", "matplotlib")   # pyproject's `sim` extra: the daemon and the other verbs need neither
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +53,12 @@ def _usage(msg: str) -> int:
     return EX_USAGE
 
 
+def _missing_extra() -> list[str]:
+    """The `sim` extra's modules that are not installed. Only absence is told here: a module that
+    is there but broken still fails loudly where it is imported."""
+    return [name for name in SIM_EXTRA if importlib.util.find_spec(name) is None]
+
+
 def _bad_option(args: argparse.Namespace) -> Optional[str]:
     """The first option out of range, as a sentence; None when all are usable. (Checked here, not
     only in argparse types: `run` is also called with a Namespace built elsewhere.)"""
@@ -68,6 +77,11 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = _missing_extra()
+    if missing:
+        print(f"gpuswap sim: needs {' and '.join(missing)}, not installed here: pip install 'gpuswap[sim]'",
+              file=sys.stderr)
+        return EX_FAILURE
     # Imported here, not at the top: every `gpuswap` call registers this verb, and the engine's
     # imports (numpy among them) cost each CLI call ~0.1 s of CPU. A broken import still fails loudly.
     from gpuswap.sim.costmodel import parse_cost_model, parse_multi_rank
