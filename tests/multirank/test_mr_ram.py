@@ -45,6 +45,14 @@ def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, m
         assert d.cli("resume", str(job)).returncode == 0
         d.until(job, lambda j: j["state"] == "RUNNING"
                 and sum(e["reason"].startswith("resumed from RAM") for e in j["events"]) == n)
+    # The daemon learned the group's teardown and rebuild from the ranks' reports (the slowest
+    # rank's), not the single-GPU bandwidths, which a multi-rank pause_s would skew.
+    bw = json.loads(d.cli("gpus", "--json").stdout)["bandwidths"]
+    for field in ("group_teardown_s", "group_rebuild_s"):
+        assert bw[field]["source"] == "measured: 2 real move(s)", bw
+        assert 0 < bw[field]["seconds"] < 60, bw
+    assert bw["ram_park_bps"]["samples"] == bw["ram_resume_bps"]["samples"] == 0, bw
+    assert "multi-rank switches: group teardown" in d.cli("gpus").stdout
     gate.open()
     done = d.state(job, "COMPLETED", "FAILED")
     assert done["state"] == "COMPLETED", json.dumps(done["events"], indent=1)

@@ -155,6 +155,24 @@ def test_learned_figures_survive_a_restart_and_beat_calibration(tmp_path):
     assert again.describe()["disk_read_bps"]["source"] == "measured: 3 real move(s)"
 
 
+def test_multi_rank_group_seconds_are_learned_kept_and_bounded(tmp_path):
+    store = Store(tmp_path / "state.db")
+    bw = Bandwidths(store)
+    assert bw.describe()["group_rebuild_s"] == {"seconds": 5.0, "source": "default", "samples": 0}
+    bw.observe_seconds("group_rebuild_s", 2.0)
+    bw.observe_seconds("group_rebuild_s", 1.0)
+    for bad in (None, -1.0, float("nan"), 7200.0, True):   # absent, impossible or a broken clock
+        bw.observe_seconds("group_rebuild_s", bad)
+    d = bw.describe()["group_rebuild_s"]
+    assert d["samples"] == 2 and d["seconds"] == pytest.approx(0.7 * 2.0 + 0.3 * 1.0)
+    assert bw.costs().group_rebuild_s == pytest.approx(d["seconds"])
+    assert bw.costs().group_teardown_s == 1.0               # still SwitchCosts' default
+    store.close()
+    again = Bandwidths(Store(tmp_path / "state.db"))
+    assert again.describe()["group_rebuild_s"]["source"] == "learned: 2 real move(s) before the last restart"
+    assert again.costs().group_rebuild_s == pytest.approx(d["seconds"])
+
+
 @pytest.mark.gpu
 def test_pinned_copy_calibration_on_a_real_gpu():
     pytest.importorskip("cuda.bindings")

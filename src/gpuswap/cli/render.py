@@ -171,4 +171,8 @@ def gpus_table(info: dict[str, Any]) -> None:
     if bw:
         console.print(plain("switch bandwidths: " + ", ".join(
             f"{name.removesuffix('_bps').replace('_', ' ')} {v['bytes_per_s'] / 1e9:.1f} GB/s ({v['source']})"
-            for name, v in bw.items())))
+            for name, v in bw.items() if "bytes_per_s" in v)))
+        group = [(name.removesuffix("_s").replace("_", " "), v) for name, v in bw.items() if "seconds" in v]
+        if group:
+            console.print(plain("multi-rank switches: " + ", ".join(
+                f"{name} {v['seconds']:.2f} s ({v['source']})" for name, v in group)))

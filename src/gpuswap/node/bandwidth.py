@@ -10,6 +10,10 @@ SwitchCosts. Every figure carries its source, which `gpuswap gpus` shows:
   learned      refined from real moves before the daemon's last restart: the figures are kept in
                SQLite and reloaded at start, so a restart does not forget what the machine did
 
+Two figures are seconds, not bandwidths: a multi-rank job's process-group teardown before a RAM
+park and rebuild after its resume (the slowest rank's, as the ranks report them). Their defaults
+are SwitchCosts' orders of magnitude; real multi-rank parks replace them.
+
 A figure from real moves is never replaced by a calibration: it describes the jobs' own moves.
 """
 from __future__ import annotations
@@ -54,12 +58,14 @@ class BandwidthBook(Protocol):
 
 class Bandwidths:
     FIELDS = ("ram_park_bps", "ram_resume_bps", "disk_write_bps", "disk_read_bps")
+    SECONDS = ("group_teardown_s", "group_rebuild_s")     # seconds per switch, not bytes/s
+    MAX_PLAUSIBLE_S = 3600.0    # a group made in more than an hour is a broken clock, not a figure
 
     def __init__(self, book: Optional[BandwidthBook] = None) -> None:
         base = SwitchCosts()
         self._lock = threading.Lock()
         self._book = book
-        self.m: dict[str, Measured] = {f: Measured(getattr(base, f), "default") for f in self.FIELDS}
+        self.m: dict[str, Measured] = {f: Measured(getattr(base, f), "default") for f in self.FIELDS + self.SECONDS}
         for field, (value, samples) in (book.load_bandwidths() if book else {}).items():
             if field in self.m and value > 0 and samples > 0:
                 self.m[field] = Measured(value, f"learned: {samples} real move(s) before the last restart", samples)
@@ -98,10 +104,20 @@ class Bandwidths:
         if bps > MAX_PLAUSIBLE_BPS:
             log.warning("ignored an implausible %s move: %d bytes in %g s", field, nbytes, seconds)
             return
+        self._fold(field, bps)
+
+    def observe_seconds(self, field: str, seconds: Optional[float]) -> None:
+        """Fold in one real multi-rank group teardown or rebuild that took `seconds`."""
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= self.MAX_PLAUSIBLE_S:
+            return
+        self._fold(field, float(seconds))
+
+    def _fold(self, field: str, observed: float) -> None:
+        """Exponentially weighted, and kept durably."""
         with self._lock:
             m = self.m[field]
             n = m.samples + 1
-            value = bps if m.samples == 0 else (1 - SMOOTHING) * m.value + SMOOTHING * bps
+            value = observed if m.samples == 0 else (1 - SMOOTHING) * m.value + SMOOTHING * observed
             self.m[field] = Measured(value, f"measured: {n} real move(s)", n)
         if self._book is not None:
             try:
@@ -120,8 +136,8 @@ class Bandwidths:
 
     def describe(self) -> dict[str, dict[str, object]]:
         with self._lock:
-            return {f: {"bytes_per_s": m.value, "source": m.source, "samples": m.samples}
-                    for f, m in self.m.items()}
+            return {f: {("seconds" if f in self.SECONDS else "bytes_per_s"): m.value, "source": m.source,
+                        "samples": m.samples} for f, m in self.m.items()}
 
 
 # -- calibrations ------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ class Paused(_Msg):
     bytes: Bytes = 0
     seconds: Optional[Seconds] = None
     step: Step = None
+    group_s: Optional[Seconds] = None   # multi-rank: this rank's process-group teardown (in `seconds`)
 
 
 class Resumed(_Msg):
@@ -121,6 +122,7 @@ class Resumed(_Msg):
     epoch: Optional[Epoch] = None
     bytes: Optional[Bytes] = None
     seconds: Optional[Seconds] = None
+    group_s: Optional[Seconds] = None   # multi-rank: this rank's process-group rebuild (in `seconds`)
 
 
 class Checkpointed(_Msg):
@@ -252,6 +254,7 @@ _FACTS: dict[str, TypeAdapter[Any]] = {
         "pid": Optional[Pid], "device_bytes": Bytes, "bytes": Bytes, "step": Step,
         "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
         "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
+        "group_teardown_s": Optional[Seconds], "group_rebuild_s": Optional[Seconds],
         "error": Text, "error_at": Timestamp, "rejected": Bytes,
         "restore_note": Optional[Note], "restore_failed": Note, "ckpt_note": Optional[Text],
         "restored_seq": Optional[Seq],

@@ -100,7 +100,13 @@ class Observer:
             return
         if rt.get("state") == "paused" and rt.get("tier") == "ram":
             nbytes = int(rt.get("bytes") or 0)
-            self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
+            if (rt.get("world_size") or 1) > 1:
+                # A multi-rank pause_s holds the wait for the common step and the group teardown,
+                # and its bytes moved over several links at once: not one link's bandwidth. The
+                # slowest rank's teardown is the figure it gives.
+                self.bandwidths.observe_seconds("group_teardown_s", rt.get("group_teardown_s"))
+            else:
+                self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
             # What the park could not free (its CUDA context, ...), read from NVML now: the runtime
             # reported the park only once it was done. Kept on the job, and reserved by the policy.
             kept = residue.measure(obs.job_pid, self.freezer.gpus, job.assigned)
@@ -143,7 +149,10 @@ class Observer:
 
     def _resuming(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
         if job.parked == "ram" and rt.get("state") == "running":
-            self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.get("resume_s"))
+            if (rt.get("world_size") or 1) > 1:     # as at the park: the group's rebuild, not a bandwidth
+                self.bandwidths.observe_seconds("group_rebuild_s", rt.get("group_rebuild_s"))
+            else:
+                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.get("resume_s"))
             self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
                               last_start=now,
                               event=f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s")

@@ -265,6 +265,9 @@ class Coordinator:
         a.parked_in_ram = True
         self.result = {"tier": "ram", "bytes": sum(int(m.get("bytes") or 0) for m in a.answered.values()),
                        "step": self.ranks[0].step, "pause_s": round(now - a.started, 6)}
+        group = _slowest(a.answered.values())
+        if group is not None:
+            self.result["group_teardown_s"] = group
         self._enter(PARKED, now)
         return self._reconcile(now)
 
@@ -329,6 +332,9 @@ class Coordinator:
         # From the resume request to every rank training again: unpark and regroup, not the
         # regroup alone (a.since is the current phase's start).
         self.result = {"resume_s": round(now - (a.resume_asked if a.resume_asked is not None else a.since), 6)}
+        group = _slowest(a.answered.values())
+        if group is not None:
+            self.result["group_rebuild_s"] = group
         self.phase, self.attempt = RUNNING, None
         return self._reconcile(now)
 
@@ -387,3 +393,11 @@ _HANDLERS = {
     (UNPARKING, "unparked"): Coordinator._on_unparked,
     (REGROUPING, "resumed"): Coordinator._on_resumed,
 }
+
+
+def _slowest(answers: Any) -> Optional[float]:
+    """The slowest rank's process-group seconds (`group_s`), the part of a multi-rank switch that
+    the policy models apart (policy/capability.py); None when no rank had a group to move."""
+    found = [float(m["group_s"]) for m in answers
+             if isinstance(m.get("group_s"), (int, float)) and not isinstance(m.get("group_s"), bool)]
+    return round(max(found), 6) if found else None

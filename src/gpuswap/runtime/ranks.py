@@ -175,13 +175,16 @@ class RankJob(Job):
                 return True, {"bytes": self._park.nbytes if self._park else 0,
                               "seconds": round(time.perf_counter() - t0, 6)}
             if action == REGROUP:
-                if self._cursor.rebuild:
-                    self._regroup.rebuild(int(self._cursor.epoch or 0))
+                rebuilt = self._cursor.rebuild and self._regroup.rebuild(int(self._cursor.epoch or 0))
+                group_s = time.perf_counter() - t0
                 if self._park is not None:
                     parking.drop_host(self._park)
                 nbytes = self._park.nbytes if self._park else 0
                 self._park, self._payload = None, None
-                return True, {"bytes": nbytes, "seconds": round(time.perf_counter() - t0, 6)}
+                info = {"bytes": nbytes, "seconds": round(time.perf_counter() - t0, 6)}
+                if rebuilt:
+                    info["group_s"] = round(group_s, 6)   # the daemon learns group_rebuild_s from it
+                return True, info
             if action == RELEASE:
                 if self._park is not None and not self._park.released:
                     parking.release(self._park, self.config.simulated)
@@ -206,7 +209,9 @@ class RankJob(Job):
         refusal = self._regroup.refusal()
         if refusal:
             raise parking.ParkRefused(refusal, disk_ok=True)
-        self._regroup.teardown()
+        t_group = time.perf_counter()
+        had_group = self._regroup.teardown()
+        group_s = time.perf_counter() - t_group
         park = parking.copy_to_host(objects.iter_tensors(self._items), self.config.simulated, "ram")
         try:
             # Taken now, as views of the host copies, for a spill: once released, a tensor parked
@@ -220,7 +225,10 @@ class RankJob(Job):
         self._park = park
         self._free_buckets()
         self._mark_parked()
-        return {"bytes": park.nbytes, "seconds": round(time.perf_counter() - t0, 6), "step": self.step}
+        out = {"bytes": park.nbytes, "seconds": round(time.perf_counter() - t0, 6), "step": self.step}
+        if had_group:
+            out["group_s"] = round(group_s, 6)       # the daemon learns group_teardown_s from it
+        return out
 
     def _free_buckets(self) -> None:
         """DDP's bucket buffers, which the park of the attached tensors cannot reach: drop the

@@ -118,11 +118,12 @@ class Regroup:
                             "with, and its Reducer is not made again at a park")
         return None
 
-    def teardown(self) -> None:
-        """Keep the rendezvous store, remember how the group was made, destroy every group."""
+    def teardown(self) -> bool:
+        """Keep the rendezvous store, remember how the group was made, destroy every group.
+        False: the job has no group (nothing was done)."""
         dist = _dist()
         if dist is None or not dist.is_initialized():
-            return
+            return False
         c10d = dist.distributed_c10d
         world = dist.group.WORLD
         self._store = c10d._get_default_store()     # also keeps rank 0's TCPStore server alive
@@ -156,16 +157,19 @@ class Regroup:
             elif _is(h, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
                 h.process_group = holder
         self.torn = True
+        return True
 
-    def rebuild(self, epoch: int) -> None:
-        """Create the default group again (a collective: every rank calls it) and rebind."""
+    def rebuild(self, epoch: int) -> bool:
+        """Create the default group again (a collective: every rank calls it) and rebind.
+        False: none was torn down (nothing was done)."""
         dist = _dist()
         if dist is None or not self.torn:
-            return
+            return False
         dist.init_process_group(store=dist.PrefixStore(f"gpuswap/{epoch}/", self._store), **self._init)
         self.torn = False
         kept, self._kept = self._kept, None
         self.rebind(None if kept is None else [h for h in (r() for r in kept) if h is not None])
+        return True
 
     def live_ddps(self) -> list[Any]:
         return [d for d in (r() for r in self.ddps) if d is not None]

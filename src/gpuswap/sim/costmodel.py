@@ -59,7 +59,7 @@ def _measured(path: str) -> CostModel:
     for name, v in figures.items():
         if name not in fields:
             continue
-        v = v.get("bytes_per_s") if isinstance(v, dict) else v
+        v = v.get("bytes_per_s", v.get("seconds")) if isinstance(v, dict) else v
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
             raise ValueError(f"switch-cost measured:{path}: {name} must be a positive number, got {v!r}")
         values[name] = float(v)
