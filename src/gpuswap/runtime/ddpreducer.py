@@ -201,18 +201,3 @@ class Reducers:
     def held(self, ddps: Iterable[Any]) -> int:
         """Buffer bytes the Reducers of `ddps` hold now (the simulated GPU counts them)."""
         return sum(self.bytes_of(d) for d in ddps if getattr(d, "reducer", None) is not None)
-
-
-def find(items: Iterable[Any]) -> list[Any]:
-    """Weak references to every live DistributedDataParallel (an attached one, one around an
-    attached module, one the script keeps elsewhere); none if the job has no process group."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return []
-    except (RuntimeError, AttributeError):
-        return []
-    from gpuswap.runtime.regroup import _holders
-    from gpuswap.runtime.rankstate import ddp_wrappers
-
-    return [weakref.ref(d) for d in ddp_wrappers(_holders(items))]

@@ -245,8 +245,9 @@ class Job:
             return 0
         if self._outside is None:
             from gpuswap.runtime import ddpreducer
+            from gpuswap.runtime.regroup import find_ddps
 
-            ddps = [d() for d in ddpreducer.find(self._items)]
+            ddps = [d() for d in find_ddps(self._items)]
             self._outside = sum(ddpreducer.held_bytes(d) for d in ddps if d is not None)
         return self._outside
 

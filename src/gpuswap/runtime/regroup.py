@@ -241,3 +241,17 @@ def _rebind_fsdp2(module: Any) -> None:
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
             if getattr(info, "reduce_scatter_process_group", None) is not None:
                 info.reduce_scatter_process_group = info.shard_process_group
+
+
+def find_ddps(items: Iterable[Attached]) -> list[Any]:
+    """Weak references to every live DistributedDataParallel (an attached one, one around an
+    attached module, one the script keeps elsewhere); none if the job has no process group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return []
+    except (RuntimeError, AttributeError):
+        return []
+    from gpuswap.runtime.rankstate import ddp_wrappers
+
+    return [weakref.ref(d) for d in ddp_wrappers(_holders(items))]
