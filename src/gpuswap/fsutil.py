@@ -10,24 +10,33 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 PRIVATE = 0o600     # the default for every file the daemon writes: its own, or its job owner's
 
 
-def atomic_write_bytes(path: Path | str, data: bytes, mode: int = PRIVATE) -> None:
+def temp_path(path: Path) -> Path:
+    """Where `atomic_write` puts `path` while writing it: a hidden `.NAME.PID.tmp` beside it (a
+    writer killed mid-way leaves one; `is_temp` tells them apart for whoever cleans up)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def atomic_write(path: Path | str, write: Callable[[BinaryIO], Any], mode: int = PRIVATE) -> None:
+    """`write(f)` fills a temp file, which is fsynced and renamed over `path`; then the directory
+    is fsynced. The one atomic-write routine: small files, JSON and streamed checkpoints alike."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
-        try:
-            os.fchmod(fd, mode)          # whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)          # whatever the umask
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         # A failed write (a full disk) leaves the old file as it was and no temp file behind.
@@ -41,6 +50,10 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int = PRIVATE) -> No
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes, mode: int = PRIVATE) -> None:
+    atomic_write(path, lambda f: f.write(data), mode)
 
 
 def atomic_write_json(path: Path | str, obj: Any, mode: int = PRIVATE) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from gpuswap.fsutil import atomic_write_json
+
 ENV_DIR = "GPUSWAP_SIM_CUDA_DIR"
 MAX_BYTES = 2**53
 RESIDENT = ("running", "locked")       # driver states in which a process holds device memory
@@ -180,12 +182,7 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
     reg = Registration(os.getpid(), start_ticks(os.getpid()) or 0, int(visible), int(nbytes), busy)
     path = Path(root) / "procs" / f"{reg.pid}.json"
-    tmp = path.with_name(f".{reg.pid}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(reg.__dict__, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, reg.__dict__, 0o644)    # the daemon reads it (simulated NVML's process list)
     return reg
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpuswap import fsutil
 from gpuswap.runtime import checkpoint, rng
 from gpuswap.runtime.handle import Job, RuntimeConfig
 from gpuswap.runtime.objects import classify
@@ -138,7 +139,7 @@ def test_kill_9_during_write_keeps_last_good_checkpoint(tmp_path):
     assert proc.stdout.readline().strip() == "first done"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # wait until the big payload is being written
-        temps = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        temps = [p for p in tmp_path.iterdir() if fsutil.is_temp(p.name)]
         if temps and temps[0].stat().st_size > (1 << 20):
             break
         time.sleep(0.002)
@@ -147,8 +148,8 @@ def test_kill_9_during_write_keeps_last_good_checkpoint(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())  # died mid-write
+    assert any(fsutil.is_temp(p.name) for p in tmp_path.iterdir())  # died mid-write
     info, payload = checkpoint.load_latest(tmp_path)
     assert info.step == 1 and payload["user_state"] == {"v": 1}
     _write(tmp_path, 3, 3.0)  # the next write clears the debris
-    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    assert not any(fsutil.is_temp(p.name) for p in tmp_path.iterdir())

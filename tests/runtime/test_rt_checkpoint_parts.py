@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from gpuswap import fsutil
 from gpuswap.runtime import checkpoint, ckparts, rankstate, rng
 from gpuswap.runtime.objects import classify
 
@@ -56,13 +57,14 @@ def test_part_report_and_manifest(tmp_path):
     assert set(doc["parts"][0]) == {"rank", "file", "bytes", "sha256"}
     for r in (0, 1):
         assert _chosen_value(tmp_path, r, 2) == (1.0, None)
-    assert not [e for e in tmp_path.iterdir() if e.name.startswith(".tmp-")]
+    assert not [e for e in tmp_path.iterdir() if fsutil.is_temp(e.name) or e.name.startswith(".tmp-")]
 
 
 def test_no_manifest_means_the_previous_checkpoint_stands_and_orphans_go(tmp_path):
     _commit(tmp_path, 2, step=3, value=1.0)
     orphans = _commit(tmp_path, 2, step=7, value=2.0, parts_only=True)   # rank 0 died before the manifest
-    (tmp_path / ".tmp-ckpt-000002.r1.pt.999").write_bytes(b"half a part")  # a rank killed mid-write
+    (tmp_path / ".ckpt-000002.r1.pt.999.tmp").write_bytes(b"half a part")  # a rank killed mid-write
+    (tmp_path / ".tmp-ckpt-000002.r0.pt.998").write_bytes(b"half a part")  # ... by an older release
     for r in (0, 1):
         assert _chosen_value(tmp_path, r, 2) == (1.0, None)   # silently: orphans are not checkpoints
     # The next checkpoint reuses seq 2 (no manifest took it); its commit leaves no orphan behind.

@@ -9,11 +9,11 @@ content changes.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Callable
 
+from gpuswap.fsutil import atomic_write_bytes
 from gpuswap.node.store import JobRecord
 
 log = logging.getLogger("gpuswap.dcgm")
@@ -38,10 +38,7 @@ def write_mapping(directory: Path, files: dict[str, str]) -> None:
                 continue
         except FileNotFoundError:
             pass
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(content)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, content.encode(), 0o644)    # DCGM's exporter reads it as its own user
 
 
 class MappingWriter:

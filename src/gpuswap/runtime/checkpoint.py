@@ -4,7 +4,7 @@ Layout (see docs/runtime.md)::
 
     ckpt-000007.pt     payload: torch.save of a dict (format, step, objects, user_state, rng)
     ckpt-000007.json   manifest: sha256 and size of the payload; its presence commits the checkpoint
-    .tmp-*             a write in progress (or one killed mid-way); ignored, removed by the next write
+    .NAME.PID.tmp      a write in progress (or one killed mid-way); ignored, removed by the next write
 
 Multi-rank jobs write `gpuswap-ckpt/2` (one part per rank and a manifest, runtime/ckparts.py) in
 the same directory; this module reads only format 1, skips format 2 with its world size as the
@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping
+
+from gpuswap import fsutil
 
 FORMAT = "gpuswap-ckpt/1"
 FORMAT_PARTS = "gpuswap-ckpt/2"   # multi-rank: one part per rank (runtime/ckparts.py)
@@ -90,19 +92,15 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _write_file_atomic(directory: Path, name: str, write) -> tuple[int, str]:
-    """Write via `write(file_like)` to a temp file, fsync, rename to `name`. Returns (size, sha256)."""
-    tmp = directory / f".tmp-{name}.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            sink = _HashingWriter(f)
-            write(sink)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return sink.size, sink.sha.hexdigest()
+    """Write via `write(file_like)` atomically (gpuswap.fsutil). Returns (size, sha256)."""
+    sinks: list[_HashingWriter] = []
+
+    def hashed(f: BinaryIO) -> None:
+        sinks.append(_HashingWriter(f))
+        write(sinks[0])
+
+    fsutil.atomic_write(directory / name, hashed)
+    return sinks[0].size, sinks[0].sha.hexdigest()
 
 
 def list_checkpoints(directory: str | os.PathLike, unreadable: list[str] | None = None) -> list[CheckpointInfo]:
@@ -166,7 +164,7 @@ def write_checkpoint(
 
 def _remove_stale_temps(d: Path) -> None:
     for e in d.iterdir():
-        if e.name.startswith(".tmp-"):
+        if fsutil.is_temp(e.name) or e.name.startswith(".tmp-"):    # .tmp-*: releases before 0.1.0's end
             e.unlink(missing_ok=True)
 
 

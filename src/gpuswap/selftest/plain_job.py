@@ -19,23 +19,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import time
 
 import torch
 
+from gpuswap.fsutil import atomic_write_json
+
 HOLD_LIMIT_S = 3600.0
 
 
 def _write_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, obj)     # gpuswap's file helper only: the script stays unmodified for the driver
 
 
 def main(argv: list[str] | None = None) -> int:
