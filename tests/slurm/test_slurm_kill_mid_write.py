@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from gpuswap import fsutil
 from gpuswap.jobs import REQUEUE_EXIT_CODE
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -58,7 +59,7 @@ def test_sigkill_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> Non
     p.send_signal(signal.SIGUSR2)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # SIGKILL once the payload is partly on disk
-        temps = [f for f in ckpt.iterdir() if f.name.startswith(".tmp-")]
+        temps = [f for f in ckpt.iterdir() if fsutil.is_temp(f.name)]
         if temps and temps[0].stat().st_size > (1 << 20):
             break
         time.sleep(0.001)

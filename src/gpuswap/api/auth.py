@@ -9,12 +9,13 @@ import grp
 import os
 import pwd
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import HTTPException, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gpuswap import peercred
 
 SCOPE_KEY = "gpuswap.peer"
 
@@ -36,8 +37,7 @@ class PeerCredProtocol(H11Protocol):
         sock = transport.get_extra_info("socket")
         peer = None
         if sock is not None and sock.family == socket.AF_UNIX:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            peer = struct.unpack("3i", raw)   # pid, uid, gid
+            peer = tuple(peercred.peer(sock))   # pid, uid, gid
         inner = self.app
 
         async def app_with_peer(scope: dict, receive: Any, send: Any) -> None:

@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuswap import peercred
 from gpuswap.exitcodes import EX_USAGE
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
 from gpuswap.node import execshim, messages, sessions
@@ -49,9 +49,8 @@ USAGE_WRITE_S = 0.5   # usage reports reach status.json at most this often: each
 
 def peer_cred(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the peer, as the kernel recorded them at connect (not the job's word)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return pid, uid
+    p = peercred.peer(sock)
+    return p.pid, p.uid
 
 
 def peer_uid(sock: socket.socket) -> int:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from gpuswap.peercred import peer
 from gpuswap.runtime import channel
 
 ENV_TIMEOUT = "GPUSWAP_SLURM_PAUSE_TIMEOUT_S"   # a phase of the agreement that takes longer ends it
@@ -161,8 +161,7 @@ class CoordServer:
                 conn, _ = self._srv.accept()
             except OSError:
                 return
-            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
+            pid, uid, _gid = peer(conn)
             if uid != me:
                 conn.close()
                 continue
