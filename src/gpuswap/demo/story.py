@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from gpuswap.api.client import Client, ClientError
 from gpuswap.cli.render import console, state_text
-from gpuswap.runtime.channel import ENV_HOME
+from gpuswap.jobs import ENV_HOME
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
