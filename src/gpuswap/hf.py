@@ -42,7 +42,7 @@ from transformers import Trainer, TrainerCallback
 
 import gpuswap
 from gpuswap.runtime import prerestore
-from gpuswap.runtime.handle import current_config
+from gpuswap.runtime.attaching import current_config
 
 STATE_NAME = "hf_trainer"  # attach name of the Trainer's checkpoint files
 TRAINER_STATE = "trainer_state.json"

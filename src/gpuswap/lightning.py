@@ -38,7 +38,7 @@ import torch
 
 import gpuswap
 from gpuswap.runtime import prerestore
-from gpuswap.runtime.handle import current_config
+from gpuswap.runtime.attaching import current_config
 
 STATE_NAME = "lightning"          # the attach name of Lightning's checkpoint dict
 EPOCH_RNG = "gpuswap/epoch_rng"   # job.state key: torch CPU RNG state when the epoch began

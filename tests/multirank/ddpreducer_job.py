@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gpuswap import simcuda
 from gpuswap.runtime import rankcursor
-from gpuswap.runtime.handle import RuntimeConfig
+from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.objects import classify
 from gpuswap.runtime.ranks import RankIdentity, RankJob
 
@@ -97,7 +97,7 @@ def run(case: str, dev: simcuda.SimDevice) -> dict[str, Any]:
     train(ddp, opt, gen, 3)
     job = RankJob([classify("model", ddp), classify("optimizer", opt)],
                   RuntimeConfig(job_id="t", control=None, ckpt_dir=None, simulated=True), RankIdentity(0, 2, 0))
-    job._measure()
+    job.measure()
     out: dict[str, Any] = {"running": held(dev), "attached": job._last_bytes,
                            "params": sum(p.numel() * p.element_size() for p in ddp.parameters())}
     layout = _layout(ddp)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpuswap.runtime.handle import RuntimeConfig
+from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.objects import classify
 from gpuswap.runtime.rankcursor import PARK, REGROUP, UNPARK
 from gpuswap.runtime.ranks import RankIdentity, RankJob

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpuswap.runtime.handle import RuntimeConfig
+from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.ranks import RankIdentity, RankJob
 from gpuswap_testing import FACT_TIMEOUT_S
 

@@ -16,7 +16,8 @@ import torch
 
 from gpuswap import fsutil
 from gpuswap.runtime import checkpoint, rng
-from gpuswap.runtime.handle import Job, RuntimeConfig
+from gpuswap.runtime.config import RuntimeConfig
+from gpuswap.runtime.handle import Job
 from gpuswap.runtime.objects import classify
 from gpuswap.runtime.pausing import restore_latest, snapshot
 

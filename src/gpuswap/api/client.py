@@ -9,7 +9,7 @@ from typing import Any, Optional
 import httpx
 
 from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
-from gpuswap.runtime.channel import ENV_HOME
+from gpuswap.jobs import ENV_HOME
 
 SYSTEM_HOME = Path("/var/lib/gpuswap")
 

@@ -12,23 +12,13 @@ import shlex
 import time
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from gpuswap.jobs import format_size
-
-console = Console(highlight=False)
-if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
-    console = Console(highlight=False, width=200)
-
+from gpuswap.terminal import console, plain, residue_text, state_text
 
 SIMULATED_NOTE = "SIMULATED GPUs — no real GPU is in use"
-
-
-def plain(value: Any, style: str = "") -> Text:
-    """A value shown verbatim: rich markup in it is text, not style."""
-    return Text("" if value is None else str(value), style=style)
 
 
 def print_json(obj: Any) -> None:
@@ -53,25 +43,6 @@ def duration(seconds: float | None) -> str:
         return two(s // 3600, "h", s % 3600 // 60, "m")
     days, hours = s // 86400, s % 86400 // 3600
     return f"{days} day{'' if days == 1 else 's'}" + (f" {hours}h" if hours else "")
-
-
-def residue_text(j: dict[str, Any]) -> str:
-    """'512.0 MiB stays on GPU 0': what a job parked in RAM still holds on its GPUs ('' if nothing)."""
-    return "; ".join(f"{format_size(r['bytes'])} stays on GPU {r['gpu']}" for r in j.get("residue") or [])
-
-
-def state_text(j: dict[str, Any]) -> str:
-    if j["state"] == "PAUSED":
-        if j.get("stopped") and not j.get("parked"):
-            return "PAUSED (SIGSTOP, GPU memory still held)"
-        where = {"ram": "in RAM", "disk": "on disk"}.get(j.get("parked") or "", "?")
-        how = ", frozen by the driver" if j.get("mechanism") == "transparent" else ""
-        stays = f"; {residue_text(j)}" if j.get("residue") else ""
-        ranks = f"{len(j['ranks'])} ranks, " if len(j.get("ranks") or []) > 1 else ""
-        return f"PAUSED (parked {where}, {ranks}{format_size(j.get('parked_bytes') or 0)}{how}{stays})"
-    if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
-        return f"{j['state']} ({j['exit_code']})"
-    return j["state"]
 
 
 def reason_text(j: dict[str, Any]) -> str:

@@ -60,6 +60,7 @@ def resolve(a: argparse.Namespace) -> tuple[Any, settings.ServerSettings, str]:
 
 
 def cmd_server(a: argparse.Namespace) -> int:
+    from gpuswap.api.serving import frontend
     from gpuswap.node.daemon import DaemonError, serve
 
     try:
@@ -71,7 +72,7 @@ def cmd_server(a: argparse.Namespace) -> int:
         print(settings.to_toml(opts, sources))
         return 0
     try:
-        serve(home, opts)
+        serve(home, opts, frontend(opts.admin_group))
     except DaemonError as e:
         print(f"gpuswap server: {e}", file=sys.stderr)
         return EX_FAILURE

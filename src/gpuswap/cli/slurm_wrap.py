@@ -178,7 +178,7 @@ class Wrapper:
         if not self.coord.committed.is_set():
             return code
         from gpuswap.runtime import slurm
-        from gpuswap.runtime.handle import RuntimeConfig
+        from gpuswap.runtime.config import RuntimeConfig
 
         print(f"gpuswap slurm-wrap: the launcher exited {code} after the checkpoint; requeueing and exiting "
               f"{REQUEUE_EXIT_CODE}", file=sys.stderr, flush=True)

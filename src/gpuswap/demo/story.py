@@ -21,8 +21,8 @@ from typing import Any, Optional
 from rich.markup import escape
 
 from gpuswap.api.client import Client, ClientError
-from gpuswap.cli.render import console, state_text
-from gpuswap.runtime.channel import ENV_HOME
+from gpuswap.jobs import ENV_HOME
+from gpuswap.terminal import console, state_text
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 

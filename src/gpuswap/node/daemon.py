@@ -1,4 +1,8 @@
-"""`gpuswap server`: one daemon per state directory, serving the API on a Unix socket."""
+"""`gpuswap server`: one daemon per state directory, serving the API on a Unix socket.
+
+The API itself (the app, and the Unix socket's HTTP protocol that reads the caller's uid) comes
+from the layer above as a `Frontend` (api/serving.py makes it, cli/server.py hands it over):
+node/ does not import api/, so the layers point one way, cli -> api -> node."""
 from __future__ import annotations
 
 import fcntl
@@ -7,8 +11,9 @@ import os
 import signal
 import sqlite3
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import psutil
 
@@ -29,6 +34,14 @@ log = logging.getLogger("gpuswap.daemon")
 
 class DaemonError(Exception):
     """A reason the daemon cannot start, for one clear line on stderr."""
+
+
+@dataclass(frozen=True)
+class Frontend:
+    """What the daemon serves on its sockets."""
+
+    make_app: Callable[[Store, Controller, GpuInventory, Launcher], Any]   # the ASGI app
+    uds_protocol: type      # the Unix socket's HTTP protocol (it tells the app the caller's uid)
 
 
 def socket_path(home: Path) -> Path:
@@ -91,15 +104,12 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def serve(home: Path, opts: ServerSettings) -> None:
+def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     """Serve `home` until SIGTERM or SIGINT, with settings already checked (node/settings.py).
     Jobs' supervisors are not ours to stop: they outlive this process, and the next daemon for
     `home` takes them up again (the systemd unit relies on it: KillMode=process)."""
     import uvicorn
 
-    from gpuswap.api.app import create_app
-    from gpuswap.api.auth import Authorizer, PeerCredProtocol
-    from gpuswap.api.tokens import TokenBook
     from gpuswap.node.listener import ListenError, TcpListener, bind, public_url
     from gpuswap.node.conn_guard import ConnectionGuard, connection_budget, guarded, quiet_accept_errors, server_limits
     from gpuswap.node.retention import RetentionSweeper
@@ -143,7 +153,7 @@ def serve(home: Path, opts: ServerSettings) -> None:
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
                                                          max_switch_fraction=opts.max_switch_fraction))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
-    app = create_app(store, controller, gpus, launcher, Authorizer(opts.admin_group, TokenBook(store)))
+    app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None
     # Connections within the fd limit, idle ones timed out, EMFILE logged once (conn_guard.py).
     quiet_accept_errors()
@@ -171,7 +181,7 @@ def serve(home: Path, opts: ServerSettings) -> None:
         dcgm = MappingWriter(opts.dcgm_job_mapping_dir, lambda: store.list(live_only=True),
                              lambda: [g.index for g in gpus.list()])
         dcgm.start()
-    server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), http=guarded(PeerCredProtocol, uds_guard),
+    server = uvicorn.Server(uvicorn.Config(app, uds=str(sock), http=guarded(frontend.uds_protocol, uds_guard),
                                            lifespan="off", log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=2, **server_limits(uds_guard)))
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler it found:

@@ -3,6 +3,8 @@ supervisor asks (parking GPU memory in host RAM, or checkpointing to disk and ex
 
 Importing this package imports neither torch nor NumPy.
 """
-from gpuswap.runtime.handle import Job, NullJob, RuntimeConfig, attach
+from gpuswap.runtime.attaching import attach
+from gpuswap.runtime.config import RuntimeConfig
+from gpuswap.runtime.handle import Job, NullJob
 
 __all__ = ["attach", "Job", "NullJob", "RuntimeConfig"]

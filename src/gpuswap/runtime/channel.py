@@ -47,7 +47,6 @@ ENV_JOB_ID = "GPUSWAP_JOB_ID"
 ENV_CONTROL = "GPUSWAP_CONTROL"          # control socket path
 ENV_CKPT_DIR = "GPUSWAP_CKPT_DIR"        # where disk checkpoints of this job live
 ENV_SIMULATED = "GPUSWAP_SIMULATED_GPU"  # "1": no real GPU; attached CPU tensors stand for device memory
-ENV_HOME = "GPUSWAP_HOME"
 
 MAX_LINE = 1 << 20
 

@@ -1,4 +1,4 @@
-"""`attach()` and the handle a training loop calls `safepoint(step)` on.
+"""The handle a training loop calls `safepoint(step)` on (`attach()`, in attaching.py, makes it).
 
 The hot path is two attribute operations: record the step, test one flag the control thread
 sets. Everything else (parking, checkpointing, waiting for resume, measuring the device memory
@@ -20,34 +20,14 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
-from gpuswap.runtime import channel, simdevice
-from gpuswap.runtime.objects import Attached, classify, is_plain, iter_tensors
+from gpuswap.runtime import simdevice
+from gpuswap.runtime.config import RuntimeConfig
+from gpuswap.runtime.objects import Attached, iter_tensors
 
 EXIT_WATCHDOG_S = 30.0
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """What the supervisor tells the job through its environment."""
-
-    job_id: str | None
-    control: str | None
-    ckpt_dir: str | None
-    simulated: bool
-    slurm: bool = False  # standalone under Slurm: signals -> disk pause, then requeue
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "RuntimeConfig":
-        return cls(
-            job_id=env.get(channel.ENV_JOB_ID) or None,
-            control=env.get(channel.ENV_CONTROL) or None,
-            ckpt_dir=env.get(channel.ENV_CKPT_DIR) or None,
-            simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
-        )
 
 
 class NullJob:
@@ -76,11 +56,16 @@ class Job:
     __slots__ = (
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
-        "_measure_req", "_owner", "restore_note", "_outside",
+        "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit",
     )
     inside = True
 
-    def __init__(self, items: list[Attached], config: RuntimeConfig) -> None:
+    def __init__(self, items: list[Attached], config: RuntimeConfig,
+                 serve_pause: Callable[["Job", str], None] | None = None,
+                 before_exit: Callable[[], None] | None = None) -> None:
+        """`serve_pause(job, tier)`: what a pause does at the safepoint (`pausing.serve`; a rank's
+        handle serves its own). `before_exit`: run before exit 75 (Slurm's requeue). `attach`
+        gives both, so this module imports neither the park path nor Slurm's."""
         self.step: int | None = None
         self.state: dict[str, Any] = {}
         self.start_step = 0
@@ -101,6 +86,8 @@ class Job:
         self._owner = threading.get_ident()  # the training thread (the one that attached)
         self._max_bytes: int | None = None  # cap on a RAM park's bytes (the daemon's RAM budget)
         self._outside: int | None = None    # simulated GPUs: device bytes held outside the attached tensors
+        self._serve_pause = serve_pause
+        self._before_exit = before_exit
 
     # -- hot path --------------------------------------------------------------------------
     def safepoint(self, step: int) -> None:
@@ -114,12 +101,17 @@ class Job:
     def parked(self) -> bool:
         return self._phase == "parked"
 
+    @property
+    def items(self) -> list[Attached]:
+        """The attached objects, classified (what a park copies and a checkpoint holds)."""
+        return self._items
+
     # -- requests (any thread) -------------------------------------------------------------
     def request_pause(self, tier: str = "ram", max_bytes: int | None = None) -> None:
         """Ask for a pause at the next safepoint (what a supervisor `pause` message does).
         `max_bytes`: a RAM park larger than this goes to disk instead (the host-RAM budget)."""
         if tier not in ("ram", "disk"):
-            self._send({"op": "error", "message": f"unknown pause tier {tier!r}"})
+            self.send({"op": "error", "message": f"unknown pause tier {tier!r}"})
             return
         with self._cond:
             if tier == "ram" and (self._phase != "running" or self._tier_req is not None):
@@ -143,7 +135,7 @@ class Job:
                 self._cond.notify_all()
                 cancelled = False
         if cancelled:
-            self._send({"op": "resumed", "bytes": 0, "seconds": 0.0})
+            self.send({"op": "resumed", "bytes": 0, "seconds": 0.0})
 
     def request_measure(self) -> None:
         """Have the next safepoint measure `device_bytes` (what the usage heartbeat does)."""
@@ -168,34 +160,42 @@ class Job:
                 self._phase = "parking"
         if tier is None:
             told = self._last_bytes
-            if self._measure() != told:     # report a change now, not a heartbeat later: the
-                self._send(self._usage_msg())   # policy sizes parks by it (a young job's optimizer
+            if self.measure() != told:      # report a change now, not a heartbeat later: the
+                self.send(self._usage_msg())    # policy sizes parks by it (a young job's optimizer
             return                              # state appears only at its first step)
-        from gpuswap.runtime import pausing
-
         try:
-            pausing.serve(self, tier)
+            if self._serve_pause is not None:
+                self._serve_pause(self, tier)
+            else:   # a handle not made by `attach`: it has no park path
+                self.send({"op": "error", "message": f"park to {tier} failed: no park path"})
         finally:
             with self._cond:
                 if self._phase != "running":  # a failed park: drop what came in meanwhile
                     self._phase = "running"
                     self._tier_req, self._resume_req = None, False
                 self._pending = self._tier_req is not None or self._measure_req
-        self._measure()  # running again (resumed, or the park failed): what it holds now
+        self.measure()  # running again (resumed, or the park failed): what it holds now
 
-    def _mark_running(self) -> None:
+    def take_ram_cap(self) -> int | None:
+        """The cap on this RAM park's bytes that came with the pause (once: the next pause brings
+        its own)."""
+        with self._cond:
+            cap, self._max_bytes = self._max_bytes, None
+        return cap
+
+    def mark_running(self) -> None:
         """Resumed: from now on a new pause request is served at the next safepoint."""
         with self._cond:
             self._phase = "running"
 
-    def _mark_parked(self) -> None:
+    def mark_parked(self) -> None:
         # parked: a simulated GPU keeps the context floor and what the park cannot free
         simdevice.hold(self._outside_bytes(), self.config.simulated)
         with self._cond:
             self._phase = "parked"
             self._last_bytes = 0
 
-    def _wait_request(self) -> str:
+    def wait_request(self) -> str:
         """Block while parked until 'resume' or 'disk' is asked for."""
         with self._cond:
             self._phase = "parked"
@@ -208,7 +208,7 @@ class Job:
             return "resume"
 
     # -- channel ---------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: dict[str, Any]) -> bool:
         client = self._client
         return client.send(msg) if client is not None else False
 
@@ -222,10 +222,10 @@ class Job:
         if self.parked:
             return 0
         if threading.get_ident() == self._owner:
-            return self._measure()
+            return self.measure()
         return self._last_bytes
 
-    def _measure(self) -> int:
+    def measure(self) -> int:
         """Walk the attached tensors. Training thread only (see the module docstring)."""
         from gpuswap.runtime.parking import device_bytes
 
@@ -278,6 +278,14 @@ class Job:
                 torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
         return msg
 
+    def connect(self, control: str) -> None:
+        """Open the control channel (the supervisor's, or a coordinator's socket): its reader
+        thread brings pause and resume, its usage thread sends the heartbeat."""
+        from gpuswap.runtime.client import ControlClient
+
+        self._client = ControlClient(control, self._on_message, self._hello, self._usage)
+        self._client.start()
+
     def close(self) -> None:
         """Stop the control threads (done at exit anyway; they are daemon threads)."""
         if self._client is not None:
@@ -288,10 +296,8 @@ class Job:
         """Leave with REQUEUE_EXIT_CODE. SystemExit unwinds the job normally; a watchdog makes
         sure a stray non-daemon thread cannot keep the process alive."""
         self.close()
-        if self.config.slurm:
-            from gpuswap.runtime import slurm
-
-            slurm.requeue(self.config)
+        if self._before_exit is not None:
+            self._before_exit()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -304,79 +310,3 @@ class Job:
 
         threading.Thread(target=_watchdog, name="gpuswap-exit", daemon=True).start()
         raise SystemExit(REQUEUE_EXIT_CODE)
-
-
-_active: Job | None = None
-
-
-def current_config() -> RuntimeConfig | None:
-    """This process's runtime config: the supervisor's (a daemon job), else Slurm's (a Slurm job
-    runs the runtime standalone), else None (outside gpuswap). `attach` and the framework
-    callbacks' pre-attach restore read it the same way."""
-    config = RuntimeConfig.from_env()
-    if config.job_id is not None:
-        return config
-    from gpuswap.runtime import slurm
-
-    return slurm.config_from_env()
-
-
-def attach(*args: Any, **objects: Any) -> Job | NullJob:
-    """Attach training state; returns the handle with `start_step`, `safepoint`, `state`.
-
-    Outside gpuswap (no `$GPUSWAP_JOB_ID`) this is a no-op handle and torch is not imported.
-    Inside, a checkpoint in `$GPUSWAP_CKPT_DIR` is restored into the objects in place first.
-    Positional objects are checkpointed as arg0, arg1, ...; keyword names must stay stable
-    across restarts.
-
-    Plain immutable values (`epoch=3`) cannot be restored in place: they go into `job.state`
-    under their name, and `job.state[name]` is the value to use (the restored one after a
-    checkpoint, else the one given). What can be neither restored nor kept raises the same
-    TypeError inside and outside gpuswap, so a script never behaves differently under the daemon.
-    """
-    named = {f"arg{i}": obj for i, obj in enumerate(args)}
-    named.update(objects)
-    plain = {name: obj for name, obj in named.items() if is_plain(obj)}
-    items = [classify(name, obj) for name, obj in named.items() if name not in plain]
-    config = current_config()
-    if config is None:
-        return NullJob(plain)
-    global _active
-    who = None
-    if config.control:     # under Slurm only a rank of a multi-rank job has one (runtime/slurm.py)
-        from gpuswap.runtime import ranks
-
-        who = ranks.identity(group=ranks.default_group())
-        if config.slurm and who.world_size > 1:
-            from gpuswap.runtime import slurm
-
-            slurm.coordinate(config, who)   # rank 0 of `srun --ntasks N` serves the coordinator
-    if who is not None and who.world_size > 1:     # a rank of a multi-rank job (runtime/ranks.py)
-        job: Job = ranks.RankJob(items, config, who)
-        ranks.restore_ranks(job)
-        import atexit
-
-        atexit.register(job.close)
-    else:
-        job = Job(items, config)
-        if config.ckpt_dir:
-            from gpuswap.runtime import pausing
-
-            pausing.restore_latest(job)
-    for name, value in plain.items():
-        job.state.setdefault(name, value)   # a restored value wins over the one given
-    job._measure()  # what `hello` reports: the reader thread must not walk the tensors itself
-    job.request_measure()   # and again at the first safepoint, once the first step made the optimizer's state
-    if _active is not None:
-        _active.close()
-    _active = job
-    if config.control:
-        from gpuswap.runtime.client import ControlClient
-
-        job._client = ControlClient(config.control, job._on_message, job._hello, job._usage)
-        job._client.start()
-    if config.slurm:
-        from gpuswap.runtime import slurm
-
-        slurm.install(job)
-    return job

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from gpuswap.runtime import checkpoint, objects, parking, rng
 
 if TYPE_CHECKING:
-    from gpuswap.runtime.handle import Job, RuntimeConfig
+    from gpuswap.runtime.config import RuntimeConfig
+    from gpuswap.runtime.handle import Job
 
 
 def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
     return {
         "format": checkpoint.FORMAT,
         "step": job.step,
-        "objects": objects.capture(job._items, to_host),
+        "objects": objects.capture(job.items, to_host),
         "user_state": objects.map_tensors(job.state, to_host),
         "rng": rng.capture(),
         "job_id": job.config.job_id,
@@ -39,11 +40,11 @@ def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
 def _error(job: "Job", what: str, exc: BaseException) -> None:
     text = f"{what} failed: {type(exc).__name__}: {exc}"
     print(f"gpuswap: {text}", file=sys.stderr, flush=True)
-    job._send({"op": "error", "message": text})
+    job.send({"op": "error", "message": text})
 
 
 def _park(job: "Job", tier: str, want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
-    park = parking.copy_to_host(objects.iter_tensors(job._items), job.config.simulated, tier)
+    park = parking.copy_to_host(objects.iter_tensors(job.items), job.config.simulated, tier)
     try:
         payload = snapshot(job, park) if want_payload else None
         parking.release(park, job.config.simulated)
@@ -65,7 +66,7 @@ def _spill(job: "Job", payload: dict[str, Any], note: str | None = None) -> Exce
            "bytes": info.bytes, "seconds": round(time.perf_counter() - t0, 6), "step": job.step}
     if note:
         msg["note"] = note
-    job._send(msg)
+    job.send(msg)
     job.exit_requeue()
     raise AssertionError("unreachable")
 
@@ -77,15 +78,15 @@ def serve(job: "Job", tier: str) -> None:
     to it at once (e.g. a new pause right after an `error`) is never ignored.
     """
     if tier == "disk" and not job.config.ckpt_dir:
-        job._mark_running()
+        job.mark_running()
         _error(job, "disk pause", RuntimeError("no $GPUSWAP_CKPT_DIR for this job"))
         return
-    cap, job._max_bytes = job._max_bytes, None
-    held = job._measure() if tier == "ram" and cap is not None else None
+    cap = job.take_ram_cap()
+    held = job.measure() if tier == "ram" and cap is not None else None
     note = None
     if held is not None and held > cap:
         if not job.config.ckpt_dir:
-            job._mark_running()
+            job.mark_running()
             _error(job, "park to ram", RuntimeError(f"{held} bytes exceed the RAM budget's {cap}"))
             return
         note = f"{held} bytes exceed the host-RAM budget's {cap}"
@@ -103,29 +104,29 @@ def serve(job: "Job", tier: str) -> None:
             tier = "disk"
             park, payload = _park(job, tier, want_payload=True)
     except Exception as exc:
-        job._mark_running()
+        job.mark_running()
         _error(job, f"park to {tier}", exc)
         return
     if tier == "disk":
         exc = _spill(job, payload, note)  # exits on success
         if _unpark_or_report(job, park):  # the checkpoint failed: run on from the host copies
-            job._mark_running()
+            job.mark_running()
             _error(job, "disk checkpoint", exc)
             return
         _error(job, "disk checkpoint", exc)
         # not even the device memory came back: stay parked in ram until told otherwise
-    job._mark_parked()
-    job._send({"op": "paused", "tier": "ram", "bytes": park.nbytes,
+    job.mark_parked()
+    job.send({"op": "paused", "tier": "ram", "bytes": park.nbytes,
                "seconds": round(time.perf_counter() - t0, 6), "step": job.step})
     while True:
-        if job._wait_request() == "disk":
+        if job.wait_request() == "disk":
             _error(job, "disk checkpoint", _spill(job, payload))  # on failure stay parked
             continue
         t1 = time.perf_counter()
         if _unpark_or_report(job, park):
-            job._mark_running()
-            job._measure()  # its device memory is back (a simulated GPU lists it) before it says so
-            job._send({"op": "resumed", "bytes": park.nbytes,
+            job.mark_running()
+            job.measure()  # its device memory is back (a simulated GPU lists it) before it says so
+            job.send({"op": "resumed", "bytes": park.nbytes,
                        "seconds": round(time.perf_counter() - t1, 6)})
             return
 
@@ -150,7 +151,7 @@ def restore_latest(job: "Job") -> None:
     job.restore_note = _last_note
     if info is None or payload is None:
         return
-    warnings = objects.restore(job._items, payload["objects"])
+    warnings = objects.restore(job.items, payload["objects"])
     job.state.clear()
     job.state.update(payload.get("user_state") or {})
     warnings += rng.restore(payload["rng"])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpuswap.runtime import pausing, rankstate, ranks
 
 if TYPE_CHECKING:
-    from gpuswap.runtime.handle import RuntimeConfig
+    from gpuswap.runtime.config import RuntimeConfig
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from gpuswap.runtime import ckparts, objects, parking, rankstate, simdevice
-from gpuswap.runtime.handle import Job, RuntimeConfig
+from gpuswap.runtime.config import RuntimeConfig
+from gpuswap.runtime.handle import Job
 from gpuswap.runtime.objects import Attached
 from gpuswap.runtime.rankcursor import (COMMIT, CONTINUE, EXIT, PARK, REGROUP, RELEASE, UNPARK, WAIT, WRITE,
                                         RankCursor)
@@ -88,8 +89,9 @@ class RankJob(Job):
     __slots__ = ("tick", "rank", "world_size", "local_rank", "_cursor", "_regroup", "_park", "_ram_refusal",
                  "_done", "restored_seq", "_payload")
 
-    def __init__(self, items: list[Attached], config: RuntimeConfig, who: RankIdentity) -> None:
-        super().__init__(items, config)
+    def __init__(self, items: list[Attached], config: RuntimeConfig, who: RankIdentity,
+                 before_exit: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(items, config, before_exit=before_exit)   # it serves its own pauses
         simdevice.bind(who.local_rank)
         self.tick = 0
         self.rank, self.world_size, self.local_rank = who.rank, who.world_size, who.local_rank
@@ -117,7 +119,7 @@ class RankJob(Job):
             self._pending = self._cursor.flagged or self._measure_req
             self._cond.notify_all()
         for m in out:
-            self._send(m)
+            self.send(m)
 
     def request_measure(self) -> None:
         with self._cond:
@@ -134,8 +136,8 @@ class RankJob(Job):
         if action == CONTINUE:
             if measure:
                 told = self._last_bytes
-                if self._measure() != told:
-                    self._send(self._usage_msg())
+                if self.measure() != told:
+                    self.send(self._usage_msg())
             return
         while action != CONTINUE:
             if action == WAIT:
@@ -157,7 +159,7 @@ class RankJob(Job):
                 self._pending = self._cursor.flagged or self._measure_req
             self._send_all(out)
             action = CONTINUE if running else WAIT
-        self._measure()
+        self.measure()
 
     def _carry_out(self, action: str) -> tuple[bool, dict[str, Any]]:
         """One instruction of the cursor; (ok, what to report). Never raises: a failure is
@@ -171,7 +173,7 @@ class RankJob(Job):
                     parking.restore(self._park, self.config.simulated)   # host copies kept until regroup
                     self._regroup.build_reducers()    # DDP's bucket buffers: memory back, or fail here
                 self._phase = "running"
-                self._measure()
+                self.measure()
                 return True, {"bytes": self._park.nbytes if self._park else 0,
                               "seconds": round(time.perf_counter() - t0, 6)}
             if action == REGROUP:
@@ -190,7 +192,7 @@ class RankJob(Job):
                     parking.release(self._park, self.config.simulated)
                 if self._park is not None:
                     self._free_buckets()              # those an unpark made again
-                self._mark_parked()
+                self.mark_parked()
                 return True, {}
             if action == WRITE:
                 return True, write_part(self)
@@ -224,7 +226,7 @@ class RankJob(Job):
             raise
         self._park = park
         self._free_buckets()
-        self._mark_parked()
+        self.mark_parked()
         out = {"bytes": park.nbytes, "seconds": round(time.perf_counter() - t0, 6), "step": self.step}
         if had_group:
             out["group_s"] = round(group_s, 6)       # the daemon learns group_teardown_s from it
@@ -244,14 +246,14 @@ class RankJob(Job):
             return 0
         return self._regroup.reducers.held(self._regroup.live_ddps())
 
-    def _mark_parked(self) -> None:
+    def mark_parked(self) -> None:
         simdevice.hold(self._outside_bytes(), self.config.simulated)
         self._phase = "parked"
         self._last_bytes = 0
 
     def _send_all(self, msgs: list[dict[str, Any]]) -> None:
         for m in msgs:
-            self._send(m)
+            self.send(m)
 
     # -- channel ---------------------------------------------------------------------------
     def _hello(self) -> dict[str, Any]:
@@ -267,7 +269,7 @@ class RankJob(Job):
         withdrawn), then the channel closes. Also run at exit (`attach` registers it)."""
         if not self._done:
             self._done = True
-            self._send({"op": "done", "step": self.step})
+            self.send({"op": "done", "step": self.step})
         super().close()
 
 
@@ -303,9 +305,9 @@ def part_payload(job: RankJob, park: Optional[parking.RamPark]) -> dict[str, Any
         view = park.host_view(t) if park is not None else None
         return view if view is not None else t.detach().cpu()
 
-    return rankstate.part_payload(job._items, job.state, rank=job.rank, world_size=job.world_size,
+    return rankstate.part_payload(job.items, job.state, rank=job.rank, world_size=job.world_size,
                                   step=job.step, tick=job.tick, job_id=job.config.job_id, to_host=to_host,
-                                  related=related(job._items))
+                                  related=related(job.items))
 
 
 def commit_parts(job: RankJob, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -327,8 +329,8 @@ def restore_ranks(job: RankJob) -> None:
     cfg = job.config
     if not cfg.ckpt_dir:
         return
-    done = rankstate.restore_latest(cfg.ckpt_dir, cfg.control, job._items, job.state, job.rank,
-                                    job.world_size, related(job._items))
+    done = rankstate.restore_latest(cfg.ckpt_dir, cfg.control, job.items, job.state, job.rank,
+                                    job.world_size, related(job.items))
     job.restore_note = done.note
     if done.step is None:
         return

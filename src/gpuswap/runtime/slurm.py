@@ -30,8 +30,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from gpuswap.runtime.config import RuntimeConfig
+
 if TYPE_CHECKING:
-    from gpuswap.runtime.handle import Job, RuntimeConfig
+    from gpuswap.runtime.handle import Job
 
 ENV_ENABLE = "GPUSWAP_SLURM"             # "0" keeps the runtime off under Slurm
 ENV_SIGNALS = "GPUSWAP_SLURM_SIGNALS"    # e.g. "USR2,TERM" (default), "USR1", "none"
@@ -62,7 +64,6 @@ def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | Non
     """The runtime's configuration for a Slurm job, or None outside Slurm (and for a multi-rank
     job that cannot be coordinated: it trains on as outside gpuswap, with one line saying why)."""
     from gpuswap.runtime import channel
-    from gpuswap.runtime.handle import RuntimeConfig
 
     if not detect(env):
         return None
@@ -226,7 +227,7 @@ class SignalBridge:
                 print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
                       file=sys.stderr, flush=True)
             if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
-                if not self.job._send({"op": "preempt", "signal": name}):
+                if not self.job.send({"op": "preempt", "signal": name}):
                     print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
                           "the checkpoint", file=sys.stderr, flush=True)
             else:

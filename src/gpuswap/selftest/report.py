@@ -9,10 +9,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpuswap.cli.render import plain
 from gpuswap.jobs import format_size
 from gpuswap.selftest.measure import PlainCopy
 from gpuswap.selftest.results import SIMULATED_NOTE, GpuResult, Report, Scenario, bandwidths
+from gpuswap.terminal import plain
 
 BANNER = "SIMULATED GPUs: NOTHING REAL WAS MEASURED"
 SIM_TIMES = "park and resume times (sim) are of simulated moves: they are not bandwidths, and no GB/s is given"

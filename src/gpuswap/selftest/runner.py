@@ -28,8 +28,7 @@ import psutil
 
 from gpuswap.api.client import ClientError
 from gpuswap.demo.story import real_gpu_count
-from gpuswap.jobs import format_size
-from gpuswap.runtime.channel import ENV_HOME
+from gpuswap.jobs import ENV_HOME, format_size
 from gpuswap.selftest import jobs, measure
 from gpuswap.selftest.checks import evaluate
 from gpuswap.selftest.harness import Failure, PendingReference, PrivateDaemon, Reference
