@@ -28,6 +28,11 @@ class JobState(str, enum.Enum):
         return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 
 
+# The ended states by the names the API and the database hold: the one list for code that reads
+# a job as JSON or SQL (the dashboard's JavaScript keeps its own copy).
+ENDED = frozenset(s.value for s in JobState if s.terminal)
+
+
 class Priority(int, enum.Enum):
     """Priority classes; a higher value wins."""
 
@@ -48,13 +53,6 @@ class Priority(int, enum.Enum):
     @property
     def label(self) -> str:
         return self.name.lower()
-
-
-class Tier(str, enum.Enum):
-    """Where a paused job's GPU state lives."""
-
-    RAM = "ram"
-    DISK = "disk"
 
 
 # Exit code a job's runtime uses after writing a disk checkpoint: "requeue me" (exitcodes.py).

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from gpuswap.jobs import format_size
+from gpuswap.jobs import ENDED, format_size
 
 console = Console(highlight=False)
 if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
@@ -38,6 +38,6 @@ def state_text(j: dict[str, Any]) -> str:
         stays = f"; {residue_text(j)}" if j.get("residue") else ""
         ranks = f"{len(j['ranks'])} ranks, " if len(j.get("ranks") or []) > 1 else ""
         return f"PAUSED (parked {where}, {ranks}{format_size(j.get('parked_bytes') or 0)}{how}{stays})"
-    if j["state"] in ("COMPLETED", "FAILED", "CANCELLED") and j.get("exit_code") is not None:
+    if j["state"] in ENDED and j.get("exit_code") is not None:
         return f"{j['state']} ({j['exit_code']})"
     return j["state"]

@@ -17,14 +17,14 @@ from prometheus_client.registry import Collector
 
 import gpuswap
 from gpuswap.api.overview import gpu_used, kept_on
-from gpuswap.jobs import JobState, Priority
+from gpuswap.jobs import ENDED, JobState, Priority
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.store import Store
 
 SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
-_TERMINAL = {s.value for s in JobState if s.terminal}
+_TERMINAL = ENDED
 
 
 @dataclass

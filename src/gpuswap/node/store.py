@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from gpuswap.jobs import JobState
+from gpuswap.jobs import ENDED, JobState
 from gpuswap.node import schema
 from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, JobRecord,
                                   NewJob, encode)
 
 __all__ = ["Event", "JobRecord", "NewJob", "Store"]   # the records are node/records.py's, also named here
 
-_TERMINAL = tuple(s.value for s in JobState if s.terminal)
+_TERMINAL = tuple(sorted(ENDED))
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
 

@@ -11,12 +11,13 @@ from typing import Any, Callable, Optional
 
 from gpuswap.api.client import Client, ClientError
 from gpuswap.demo.story import start_private_daemon, stop_daemon
+from gpuswap.jobs import ENDED
 from gpuswap.selftest import jobs
 from gpuswap.selftest.jobs import Files
 
 WAIT_S = 900.0                       # a step that takes this long has failed (a loaded machine is slow)
 DAEMON_ARGS = ("--min-runtime", "0", "--pause-timeout", "600", "--max-switch-fraction", "1", "--no-calibrate")
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+TERMINAL = ENDED
 
 
 class Failure(Exception):
