@@ -38,6 +38,12 @@ class Observer:
             return
         obs = self.launcher.observe(job.id, job.generation)
         if obs.exit is not None:
+            if job.state == JobState.RESUMING and job.mechanism != "transparent":
+                # A job may restore, train and exit between two ticks (a loaded machine, a short
+                # tail): its last facts still say what the resume did, so that is recorded first,
+                # at the exit time, rather than lost behind "exited while resuming".
+                self._resuming(job, obs.runtime, _exit_time(obs.exit, now))
+                job = self.store.get(job.id) or job
             self._finished(job, obs, now)
             return
         if not obs.alive:
