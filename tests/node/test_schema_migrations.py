@@ -44,6 +44,28 @@ def expected(name: str) -> dict:
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             want["env"][str(job["id"])] = {}
     want["events_after"] = [e if len(e) == 6 else e + [None] for e in want["events_after"]]   # + initiator
+    # Version 2 (events say what they record): each saved sentence's kind, tier and mechanism as the
+    # migration infers them from the release's wording, and who asked a pause the release did not record.
+    inferred = {"submitted": ("submitted", None, None), "started on GPU": ("started", None, None),
+                "pausing to ram:": ("park_started", "ram", "cooperative"),
+                "pausing to disk:": ("park_started", "disk", "cooperative"),
+                "parked in RAM": ("parked_ram", "ram", "cooperative"),
+                "no gpuswap runtime: stopped (SIGSTOP)": ("sigstopped", "gpu", "sigstop"),
+                "exited with code 0": ("completed", None, None), "killed by signal 9": ("failed", None, None),
+                "cancelled by alice": ("cancelled", None, None)}
+
+    def facts(reason: str, initiator: str | None) -> list:
+        kind, tier, mechanism = next((v for k, v in inferred.items() if reason.startswith(k)), (None, None, None))
+        if kind == "park_started" and initiator is None:
+            initiator = "user" if "requested by user" in reason else "policy"
+        return [initiator, kind, tier, mechanism]
+
+    want["events_after"] = [e[:5] + facts(e[4], e[5]) for e in want["events_after"]]
+    for job, job_events in want["events"].items():      # a job's events, in id order
+        rows = [e for e in want["events_after"] if str(e[1]) == job]
+        assert [(e["time"], e["reason"]) for e in job_events] == [(r[2], r[4]) for r in rows]
+        for event, row in zip(job_events, rows):
+            event.update(initiator=row[5], kind=row[6], tier=row[7], mechanism=row[8])
     return want
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 
 from gpuswap.jobs import JobState
+from gpuswap.lifecycle import EventKind, NewEvent
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import Capability, CheckpointDriver, CheckpointError
 from gpuswap.node.freezer import Freezer, job_parkability, mechanism_for, tiers_for
@@ -18,6 +19,9 @@ from gpuswap.policy.capability import NCCL_TRANSPARENT_REFUSAL
 from gpuswap.node.gpus import GpuInfo, GpuInventory, GpuProcess
 from gpuswap.node.launcher import Observation
 from gpuswap.node.store import NewJob, Store
+from gpuswap.node.transition import Applier
+
+RESUME = NewEvent(EventKind.RESUME_STARTED, "thawing on GPU 0")
 
 
 class FakeDriver(CheckpointDriver):
@@ -82,15 +86,36 @@ def world(tmp_path: Path):
     store = Store(tmp_path / "state.db")
     [job_id] = store.add_jobs([NewJob("t", "u", 0, 0, ["sleep"], "/", {}, 0, 1, 4 * 2**30,
                                       pause_mode="transparent")], time.time())
-    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent", assigned=[0],
-                 generation=1, pause_requested_at=time.time())
+    store.update(job_id, time.time(), state=JobState.RUNNING, assigned=[0], generation=1,
+                 event=NewEvent(EventKind.STARTED, "started on GPU 0"))
+    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent",
+                 pause_requested_at=time.time(), event=NewEvent(EventKind.PARK_STARTED, "freezing through the driver"))
     driver = FakeDriver()
     gpus = FakeGpus(driver)
     gpus.procs[0] = (GpuProcess(proc.pid, 3 * 2**30),)     # it declared 4 GiB; NVML measures 3
-    freezer = Freezer(store, driver, gpus, Bandwidths(), run_dirs(tmp_path))
+    freezer = Applied(store, Freezer(driver, gpus, run_dirs(tmp_path)))
     yield store, job_id, proc.pid, gpus, driver, freezer
     proc.kill()
     proc.wait()
+
+
+class Applied:
+    """The freezer as the controller runs it: each step's transition is written to the store."""
+
+    def __init__(self, store: Store, freezer: Freezer) -> None:
+        self.store, self.freezer = store, freezer
+        self.applier = Applier(store, Bandwidths(), lambda job_id: Path("/nonexistent"))
+        self.runner, self.run_dir = freezer.runner, freezer.run_dir
+
+    def _apply(self, job, t) -> None:
+        if t is not None:
+            self.applier.apply(job.id, t)
+
+    def freezing(self, job, obs, now) -> None:
+        self._apply(job, self.freezer.freezing(job, obs, now))
+
+    def thawing(self, job, obs, now) -> None:
+        self._apply(job, self.freezer.thawing(job, obs, now))
 
 
 def run_dirs(tmp_path: Path):
@@ -126,7 +151,7 @@ def test_freeze_then_thaw_in_order(world):
     assert job.parked_bytes == 3 * 2**30              # measured at lock time, not the declared 4 GiB
     assert gpus.list()[0].processes == () and gpus.list()[0].mem_used == 0     # NVML: gone after checkpoint
     assert "frozen transparently" in events(store, job_id)[-1] and "checkpoint" in events(store, job_id)[-1]
-    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0], event=RESUME)
     order = []
     real_restore = driver.restore
     driver.restore = lambda p, m=None: (order.append(("stopped", store.get(job_id).stopped)), real_restore(p, m))
@@ -200,7 +225,7 @@ def test_no_cuda_process_is_refused_without_touching_the_driver(world):
 def test_thaw_never_asks_the_driver_about_a_stopped_process(world):
     store, job_id, pid, gpus, driver, freezer = world
     drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
-    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0], event=RESUME)
     asked = []
     real_state = driver.state
     driver.state = lambda p: (asked.append(store.get(job_id).stopped), real_state(p))[1]
@@ -214,7 +239,7 @@ def test_restart_mid_freeze_continues_from_driver_state(world):
     while freezer.runner.busy(job_id):              # the lock ran; the daemon dies before its result is read
         time.sleep(0.005)
     assert driver.state(pid) == "locked"
-    fresh = Freezer(store, driver, gpus, Bandwidths(), freezer.run_dir)
+    fresh = Applied(store, Freezer(driver, gpus, freezer.run_dir))
     job = drive(store, job_id, fresh, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
     assert [c[0] for c in driver.calls] == ["lock", "checkpoint"]
     assert job.parked == "ram" and job.parked_bytes == 3 * 2**30   # the footprint recorded before the lock
@@ -224,7 +249,7 @@ def test_no_restore_without_room_then_migrate(world):
     store, job_id, pid, gpus, driver, freezer = world
     drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
     gpus.used[1] = 78 * 2**30                       # someone else fills GPU 1
-    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[1])
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[1], event=RESUME)
     for _ in range(5):
         job = store.get(job_id)
         freezer.thawing(job, Observation({"job_pid": pid, "stopped": job.stopped}, True, 0.0), time.time())
@@ -241,7 +266,7 @@ def test_no_restore_without_room_then_migrate(world):
 def test_failed_restore_stops_the_job_rather_than_leaving_it_stuck(world):
     store, job_id, pid, gpus, driver, freezer = world
     drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
-    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0])
+    store.update(job_id, time.time(), state=JobState.RESUMING, assigned=[0], event=RESUME)
     driver.fail["restore"] = "CUDA_ERROR_OUT_OF_MEMORY"
     drive(store, job_id, freezer, pid, "thawing", True, lambda j: j.cancel_requested)
     assert "thaw failed" in events(store, job_id)[-1] and "cannot retry" in events(store, job_id)[-1]

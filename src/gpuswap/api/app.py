@@ -17,6 +17,7 @@ from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_h
 from gpuswap.api.overview import gpu_used, kept_on
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
+from gpuswap.lifecycle import EventKind as K, NewEvent
 from gpuswap.node.controller import Controller
 from gpuswap.node.freezer import deferred_pause_text
 from gpuswap.node.gpus import GpuInventory
@@ -151,7 +152,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
         if not job.cancel_requested:
             store.update(job_id, time.time(), cancel_requested=True, hold=False,
-                         event=f"cancel requested by {who.user}")
+                         event=NewEvent(K.CANCEL_REQUESTED, f"cancel requested by {who.user}", initiator="user"))
         controller.wake()
         job = wait_for(job_id, lambda j: j.state.terminal, 2.0)
         return record(job)
@@ -178,11 +179,12 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             return {**record(job), "nothing_done": done}
         if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
             store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
-                         pause_requested_at=time.time(), event=f"spill to disk requested by {who.user}",
-                         initiator="user")
+                         pause_requested_at=time.time(),
+                         event=NewEvent(K.SPILL_REQUESTED, f"spill to disk requested by {who.user}", initiator="user"))
         elif not job.hold:
             store.update(job_id, time.time(), hold=True, desired_tier=req.to,
-                         event=f"pause to {req.to} requested by {who.user}")
+                         event=NewEvent(K.PAUSE_REQUESTED, f"pause to {req.to} requested by {who.user}",
+                                        tier=req.to, initiator="user"))
         controller.wake()
         # The controller either starts the pause (the job leaves RUNNING) or refuses it, which
         # drops the hold with the reason: a refusal is a failed request, not a success.
@@ -206,8 +208,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                     f"job {job_id} is {job.state.value} by the scheduler, not held by a user; it resumes on "
                     "its own when its GPUs are free; nothing to resume")
             return {**record(job), "nothing_done": done}
-        store.update(job_id, time.time(), hold=False,
-                     event=f"resume requested by {who.user}; it runs when its GPUs are free")
+        store.update(job_id, time.time(), hold=False, event=NewEvent(
+            K.RESUME_REQUESTED, f"resume requested by {who.user}; it runs when its GPUs are free", initiator="user"))
         controller.wake()
         return record(store.get(job_id) or job)
 

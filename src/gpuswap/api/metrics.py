@@ -108,7 +108,8 @@ class EventFold:
                     return
 
     def _apply(self, event_id: int, job_id: int, t: float, state: str, reason: str,
-               initiator: Optional[str] = None) -> None:
+               initiator: Optional[str] = None, kind: Optional[str] = None, tier: Optional[str] = None,
+               mechanism: Optional[str] = None) -> None:
         self.last_id = event_id
         tr = self.jobs.get(job_id)
         if tr is None:

@@ -15,15 +15,16 @@ from typing import Callable, Optional
 
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
-from gpuswap.node import residue, snapshot
+from gpuswap.lifecycle import EventKind as K, NewEvent
+from gpuswap.node import messages, observe, residue, sessions, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import CheckpointDriver
 from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
-from gpuswap.node.observe import Observer
 from gpuswap.node.store import JobRecord, Store
+from gpuswap.node.transition import Applier
 from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
 
@@ -52,9 +53,9 @@ class Controller:
         self.store, self.launcher, self.gpus, self.config, self.clock = store, launcher, gpus, config, clock
         self.driver, self.bandwidths = driver, bandwidths
         self.transparent_ok = driver.capability.available
-        self.freezer = Freezer(store, driver, gpus, bandwidths, launcher.run_dir)
-        self.observer = Observer(store, launcher, self.freezer, bandwidths, config.pause_timeout_s,
-                                 config.no_runtime)
+        self.freezer = Freezer(driver, gpus, launcher.run_dir)
+        self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
+        self.applier = Applier(store, bandwidths, launcher.ckpt_dir)
         self.usage = store.load_usage()
         self._wake = threading.Event()
         self.changed = threading.Condition()
@@ -98,7 +99,7 @@ class Controller:
         now = self.clock()
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS or job.cancel_requested:
-                self._isolated(job, now, "to observe it", self.observer.observe, job, now)
+                self._isolated(job, now, "to observe it", self._observe, job, now)
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
                 self._isolated(job, now, "to apply its user's request", self._apply_user_intent, job, now)
@@ -139,13 +140,34 @@ class Controller:
             self._faults[key] = what
             log.exception("job %d: gpuswap failed %s", job.id, doing)
             try:
-                self.store.update(job.id, now, event=f"gpuswap failed {doing} ({what}); it retries on every "
-                                                     "tick, and other jobs are unaffected")
+                self.store.update(job.id, now, event=NewEvent(
+                    K.STEP_FAILED, f"gpuswap failed {doing} ({what}); it retries on every tick, and other jobs "
+                                   "are unaffected"))
             except Exception:
                 log.exception("job %d: could not record that failure", job.id)
         else:
             if self._faults:
                 self._faults.pop(key, None)
+
+    def _observe(self, job: JobRecord, now: float) -> None:
+        """Read what is (the supervisor's status, and what NVML or /proc must add), let
+        node/observe.py decide what that changes, and apply it; then the freezer's driver steps."""
+        obs = self.launcher.observe(job.id, job.generation) if observe.reads_status(job) else None
+        facts = observe.Facts(obs)
+        if obs is not None and observe.wants_residue(job, obs):
+            facts = observe.Facts(obs, residue=residue.measure(obs.job_pid, self.gpus, job.assigned))
+        elif obs is not None and obs.exit is None and not obs.alive and isinstance(pid := (obs.status or {}).get(
+                "job_pid"), int) and pid > 1:
+            status = obs.status or {}
+            facts = observe.Facts(obs, orphans=sessions.alive(pid, status.get("job_start_ticks"),
+                                                             messages.rank_pids(status.get("rank_pids"))))
+        verdict = observe.decide(job, facts, now, self.rules)
+        for t in verdict.transitions:
+            self.applier.apply(job.id, t)
+        if verdict.driver is not None and obs is not None:
+            step = getattr(self.freezer, verdict.driver)(job, obs, now)
+            if step is not None:
+                self.applier.apply(job.id, step)
 
     def wait_of(self, job: JobRecord) -> Optional[Wait]:
         """Why this job waits (a PENDING or PAUSED job the last round did not start), or None."""
@@ -166,7 +188,7 @@ class Controller:
             key = (w.code, tuple((b.job_id, b.code) for b in w.blockers))
             if self._told.get(jid) != key:
                 self._told[jid] = key
-                self.store.add_event(jid, now, job.state, f"waiting ({w.code}): {w.text}")
+                self.store.add_event(jid, now, job.state, f"waiting ({w.code}): {w.text}", K.WAITING)
         for jid in [j for j in self._told if j not in kept]:
             del self._told[jid]
         self.waits = kept
@@ -220,12 +242,13 @@ class Controller:
                 # Decided on a job still importing its framework, a disk pause would be refused and
                 # a RAM one tried on a process with no CUDA state; wait for the attach (or the grace).
                 if job.reason != deferred_pause_text(tier):
-                    self.store.update(job.id, now, event=deferred_pause_text(tier))
+                    self.store.update(job.id, now, event=NewEvent(K.PAUSE_DEFERRED, deferred_pause_text(tier),
+                                                                  tier=tier, initiator="user"))
                 return
             if tier not in tiers_for(job, self.transparent_ok):
-                self.store.update(job.id, now, hold=False, desired_tier=None,
-                                  event=f"pause to {tier} refused: this job cannot be parked there "
-                                        f"({self._why_not(job)})")
+                self.store.update(job.id, now, hold=False, desired_tier=None, event=NewEvent(
+                    K.PAUSE_REFUSED, f"pause to {tier} refused: this job cannot be parked there "
+                                     f"({self._why_not(job)})", tier=tier, initiator="user"))
                 return
             self._pause(job, tier, now, "requested by user", by="user")
 
@@ -243,7 +266,8 @@ class Controller:
             gen = job.generation + 1
             self.store.update(job.id, now, state=JobState.RUNNING, assigned=list(d.gpus), generation=gen,
                               last_start=now, desired="running", desired_tier=None, attached=False,
-                              event=_with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason))
+                              event=NewEvent(K.STARTED, _with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason),
+                                             initiator="policy"))
             self._launch(job, gen, d.gpus)
         elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.transparent_ok):
             self._pause(job, d.tier, now, d.reason, by="policy")
@@ -252,7 +276,8 @@ class Controller:
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
             self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
-                              event=_with_reason("spilling from RAM to disk", d.reason), initiator="policy")
+                              event=NewEvent(K.SPILL_REQUESTED, _with_reason("spilling from RAM to disk", d.reason),
+                                             initiator="policy"))
         else:
             return
         self.store.record_decision(now, type(d).__name__.lower(), job.id, detail)
@@ -268,7 +293,8 @@ class Controller:
             changes["desired"] = "paused"
         if by == "policy":
             changes["preemptions"] = job.preemptions + 1
-        self.store.update(job.id, now, event=_with_reason(what, reason), initiator=by, **changes)
+        self.store.update(job.id, now, event=NewEvent(K.PARK_STARTED, _with_reason(what, reason), tier=tier,
+                                                      mechanism=mech, initiator=by), **changes)
 
     def _ram_room(self, job: JobRecord) -> int:
         """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;
@@ -297,23 +323,26 @@ class Controller:
     def _resume(self, job: JobRecord, d: Resume, now: float) -> None:
         if job.stopped and job.parked is None:     # the SIGSTOP fallback: nothing was moved
             self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, last_start=now,
-                              event=_with_reason("continued (SIGCONT)", d.reason))
+                              event=NewEvent(K.CONTINUED, _with_reason("continued (SIGCONT)", d.reason),
+                                             initiator="policy"))
         elif job.parked == "ram":
             movable = job.mechanism == "transparent"
             pinned = job.home_gpus and not (movable and self.driver.capability.migration)
             if pinned and sorted(d.gpus) != sorted(job.home_gpus):
                 return   # its CUDA context lives on home_gpus; wait for those
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
-                              assigned=list(d.gpus),
-                              event=_with_reason(f"{'thawing' if movable else 'resuming from RAM'} on GPU "
-                                                 f"{_gpus(d.gpus)}", d.reason))
+                              assigned=list(d.gpus), event=NewEvent(
+                                  K.RESUME_STARTED, _with_reason(f"{'thawing' if movable else 'resuming from RAM'} "
+                                                                 f"on GPU {_gpus(d.gpus)}", d.reason),
+                                  tier="ram", mechanism=job.mechanism, initiator="policy"))
         elif job.parked == "disk":
             gen = job.generation + 1
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
-                              assigned=list(d.gpus), generation=gen, attached=False,
-                              event=_with_reason(
-                                  f"restarting from its disk checkpoint ({format_size(job.parked_bytes)}) "
-                                  f"on GPU {_gpus(d.gpus)}", d.reason))
+                              assigned=list(d.gpus), generation=gen, attached=False, event=NewEvent(
+                                  K.RESUME_STARTED, _with_reason(
+                                      f"restarting from its disk checkpoint ({format_size(job.parked_bytes)}) "
+                                      f"on GPU {_gpus(d.gpus)}", d.reason),
+                                  tier="disk", mechanism="cooperative", initiator="policy"))
             self._launch(job, gen, d.gpus)
 
     def _launch(self, job: JobRecord, generation: int, gpus: tuple[int, ...] | list[int]) -> None:

@@ -24,11 +24,12 @@ from typing import Any, Callable, Optional
 import psutil
 
 from gpuswap.jobs import JobState, format_size
-from gpuswap.node.bandwidth import Bandwidths
+from gpuswap.lifecycle import EventKind as K, NewEvent
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriver, CheckpointError
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Observation
-from gpuswap.node.store import JobRecord, Store
+from gpuswap.node.records import JobRecord
+from gpuswap.node.transition import Sample, Transition
 from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu_permutation, job_cuda_processes,
                                       next_freeze_step, next_thaw_step, room_for)
 from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
@@ -88,9 +89,11 @@ def tiers_for(job: JobRecord, transparent_ok: bool) -> frozenset[str]:
 
 
 class Freezer:
-    def __init__(self, store: Store, driver: CheckpointDriver, gpus: GpuInventory, bandwidths: Bandwidths,
-                 run_dir: Callable[[int, int], Path]):
-        self.store, self.driver, self.gpus, self.bandwidths = store, driver, gpus, bandwidths
+    """Drives the driver's steps for a transparently parked job; what they mean for the job's
+    record comes back as a Transition (node/transition.py) for the controller to apply."""
+
+    def __init__(self, driver: CheckpointDriver, gpus: GpuInventory, run_dir: Callable[[int, int], Path]):
+        self.driver, self.gpus = driver, gpus
         self.run_dir = run_dir
         self.runner = StepRunner(driver)
         self._timings: dict[int, dict[str, float]] = {}
@@ -128,50 +131,44 @@ class Freezer:
         self.runner.start(job.id, step, all_of)
 
     # -- freeze -----------------------------------------------------------------------------
-    def freezing(self, job: JobRecord, obs: Observation, now: float) -> None:
+    def freezing(self, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
         pid, error = self._ready(job, obs)
         rec = FreezeRecord.load(self._path(job))
         if error is not None and pid:
-            self._refuse(job, now, error, rec)
-            return
+            return self._refuse(job, now, error, rec)
         if not pid:
-            return
+            return None
         if obs.stopped:
             # Stopped only once every process was checkpointed, which was recorded first: the
             # driver is not asked (a stopped process cannot answer it).
             if rec is not None and rec.checkpointed:
-                self._frozen(job, now, rec)
-            elif job.stopped:       # stopped without a record of the checkpoints: continue it, then ask
-                self.store.update(job.id, now, stopped=False)
-            return
+                return self._frozen(job, now, rec)
+            if job.stopped:       # stopped without a record of the checkpoints: continue it, then ask
+                return Transition(now, dict(stopped=False))
+            return None
         if rec is None:
             procs = job_cuda_processes(pid, self.gpus)
             if not procs:
-                self._refuse(job, now, "no CUDA process found in the job's process tree (NVML lists none)", None)
-                return
+                return self._refuse(job, now, "no CUDA process found in the job's process tree (NVML lists none)", None)
             if job.width > 1 or len({p.pid for p in procs}) > 1:
                 # Ranks of one group share CUDA IPC memory, which the driver does not checkpoint;
                 # without a runtime saying otherwise, several CUDA processes are taken to be such
                 # ranks. Refused before any driver call (docs/transparent.md).
-                self._refuse(job, now, NCCL_TRANSPARENT_REFUSAL, None)
-                return
+                return self._refuse(job, now, NCCL_TRANSPARENT_REFUSAL, None)
             rec = FreezeRecord(tuple(procs))
             if job.ram_allowance is not None and rec.nbytes > job.ram_allowance:
-                self.store.update(job.id, now, state=JobState.RUNNING, hold=False,
-                                  device_bytes=rec.nbytes // max(len(job.assigned), 1), desired_tier=None,
-                                  event=f"not frozen: its {format_size(rec.nbytes)} would exceed the host-RAM "
-                                        f"budget ({format_size(job.ram_allowance)} left)")
-                return
+                return Transition(now, dict(state=JobState.RUNNING, hold=False, desired_tier=None,
+                                            device_bytes=rec.nbytes // max(len(job.assigned), 1)), NewEvent(
+                    K.PARK_FAILED, f"not frozen: its {format_size(rec.nbytes)} would exceed the host-RAM budget "
+                                   f"({format_size(job.ram_allowance)} left)", tier="ram", mechanism="transparent"))
             rec.save(self._path(job))        # before the first lock: the footprint NVML shows now
         pids = rec.pids
         if len(rec.alive()) != len(pids):
-            self._refuse(job, now, "a CUDA process of the job exited during the freeze", rec)
-            return
+            return self._refuse(job, now, "a CUDA process of the job exited during the freeze", rec)
         try:
             states = [self.driver.state(p) for p in pids]
         except CheckpointError as e:
-            self._refuse(job, now, e, rec)
-            return
+            return self._refuse(job, now, e, rec)
         step = next_freeze_step(states)
         if step == "lock":
             self._run(job, "lock", [p for p, s in zip(pids, states) if s == RUNNING],
@@ -182,22 +179,23 @@ class Freezer:
             if not rec.checkpointed:
                 FreezeRecord(rec.processes, checkpointed=True).save(self._path(job))
             if not job.stopped:
-                self.store.update(job.id, now, stopped=True)
+                return Transition(now, dict(stopped=True))
         else:
-            self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+            return self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+        return None
 
-    def _frozen(self, job: JobRecord, now: float, rec: FreezeRecord) -> None:
+    def _frozen(self, job: JobRecord, now: float, rec: FreezeRecord) -> Transition:
         t = self._timings.pop(job.id, {})
-        if not self.driver.capability.simulated:   # it moved nothing: its timing is no bandwidth
-            self.bandwidths.observe("ram_park_bps", rec.nbytes, t.get("checkpoint"))
-        self.store.update(
-            job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=rec.nbytes,
-            home_gpus=job.assigned, assigned=[],
-            event=f"frozen transparently{_sim(self.gpus)}: {format_size(rec.nbytes)} of CUDA process "
-                  f"{', '.join(map(str, rec.pids))} moved to host RAM by the driver (lock {t.get('lock', 0):.2f} s, "
-                  f"checkpoint {t.get('checkpoint', 0):.2f} s), process tree stopped")
+        # A simulated driver moved nothing: its timing is no bandwidth.
+        sample = () if self.driver.capability.simulated else (Sample("ram_park_bps", rec.nbytes, t.get("checkpoint")),)
+        return Transition(
+            now, dict(state=JobState.PAUSED, parked="ram", parked_bytes=rec.nbytes, home_gpus=job.assigned, assigned=[]),
+            effects=sample,
+            event=NewEvent(K.FROZEN, f"frozen transparently{_sim(self.gpus)}: {format_size(rec.nbytes)} of CUDA "
+                           f"process {', '.join(map(str, rec.pids))} moved to host RAM by the driver (lock "
+                           f"{t.get('lock', 0):.2f} s, checkpoint {t.get('checkpoint', 0):.2f} s), process tree stopped"))
 
-    def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord]) -> None:
+    def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord]) -> Transition:
         """Give up on freezing this job: put back what was taken (restore, unlock), keep it running, say why."""
         why = f"lock timed out after {LOCK_TIMEOUT_MS / 1000:.0f} s" if getattr(error, "timed_out", False) else str(error)
         for cuda_pid in rec.alive() if rec is not None else []:
@@ -212,35 +210,30 @@ class Freezer:
                 pass
         self._forget(job)
         self._timings.pop(job.id, None)
-        self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, hold=False, transparent_refused=why,
-                          desired="running", desired_tier=None,
-                          event=f"cannot freeze transparently ({why}): left running; not parked transparently again")
+        return Transition(now, dict(state=JobState.RUNNING, stopped=False, hold=False, transparent_refused=why,
+                                    desired="running", desired_tier=None),
+                          event=NewEvent(K.CANNOT_FREEZE, f"cannot freeze transparently ({why}): left running; not "
+                                                          "parked transparently again", tier="ram"))
 
     # -- thaw -------------------------------------------------------------------------------
-    def thawing(self, job: JobRecord, obs: Observation, now: float) -> None:
+    def thawing(self, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
         pid, error = self._ready(job, obs)
         if error is not None:
-            self._abort(job, now, f"thaw failed ({error}); the driver cannot retry a failed restore")
-            return
+            return self._abort(job, now, f"thaw failed ({error}); the driver cannot retry a failed restore")
         if not pid:
-            return
+            return None
         if job.stopped or obs.stopped:     # SIGCONT first: the driver is never asked about a stopped process
-            if job.stopped:
-                self.store.update(job.id, now, stopped=False)
-            return
+            return Transition(now, dict(stopped=False)) if job.stopped else None
         rec = FreezeRecord.load(self._path(job)) or self._rediscover(pid, job)
         if rec is None:
-            self._abort(job, now, "thaw failed: no CUDA process of the job is known to the driver")
-            return
+            return self._abort(job, now, "thaw failed: no CUDA process of the job is known to the driver")
         pids = rec.pids
         if len(rec.alive()) != len(pids):
-            self._abort(job, now, "thaw failed: a CUDA process of the job exited while it was frozen")
-            return
+            return self._abort(job, now, "thaw failed: a CUDA process of the job exited while it was frozen")
         try:
             states = [self.driver.state(p) for p in pids]
         except CheckpointError as e:
-            self._abort(job, now, f"thaw failed ({e})")
-            return
+            return self._abort(job, now, f"thaw failed ({e})")
         step = next_thaw_step(states)
         if step == "restore":
             perm = self._permutation(job)
@@ -250,8 +243,8 @@ class Freezer:
             short = room_for(self.gpus, need)
             if short:
                 if not job.reason.startswith("waiting for room"):
-                    self.store.update(job.id, now, event=f"waiting for room before restoring: {short}")
-                return
+                    return Transition(now, event=NewEvent(K.RESTORE_DEFERRED, f"waiting for room before restoring: {short}"))
+                return None
             gpu_map = self._gpu_map(perm)
             self._run(job, "restore", [p for p, s in zip(pids, states) if s == CHECKPOINTED],
                       lambda p: self.driver.restore(p, gpu_map))
@@ -259,16 +252,17 @@ class Freezer:
             self._run(job, "unlock", [p for p, s in zip(pids, states) if s == LOCKED], self.driver.unlock)
         elif step == "done":
             t = self._timings.pop(job.id, {})
-            if not self.driver.capability.simulated:
-                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, t.get("restore"))
+            sample = () if self.driver.capability.simulated else (
+                Sample("ram_resume_bps", job.parked_bytes, t.get("restore")),)
             moved = f" onto GPU {','.join(map(str, job.assigned))}" if sorted(job.assigned) != sorted(job.home_gpus) else ""
             self._forget(job)
-            self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
-                              last_start=now,
-                              event=f"thawed{_sim(self.gpus)}{moved}: restore {t.get('restore', 0):.2f} s, "
-                                    f"unlock {t.get('unlock', 0):.2f} s")
+            return Transition(now, dict(state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
+                                        last_start=now), effects=sample,
+                              event=NewEvent(K.THAWED, f"thawed{_sim(self.gpus)}{moved}: restore "
+                                                       f"{t.get('restore', 0):.2f} s, unlock {t.get('unlock', 0):.2f} s"))
         else:
-            self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+            return self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+        return None
 
     def _rediscover(self, job_pid: int, job: JobRecord) -> Optional[FreezeRecord]:
         """No record (frozen by an older version): the driver itself tells which processes of the
@@ -290,9 +284,10 @@ class Freezer:
         share = job.parked_bytes // (len(found) * len(home))
         return FreezeRecord(tuple(CudaProcess(p, start_ticks(p) or 0, g, share) for p in found for g in home))
 
-    def _abort(self, job: JobRecord, now: float, why: str) -> None:
+    def _abort(self, job: JobRecord, now: float, why: str) -> Transition:
         """Stop a job that cannot go on; it ends FAILED with `why` once its process is gone."""
-        self.store.update(job.id, now, cancel_requested=True, abort_reason=why, event=f"{why}; stopping the job")
+        return Transition(now, dict(cancel_requested=True, abort_reason=why),
+                          NewEvent(K.ABORTING, f"{why}; stopping the job"))
 
     def _permutation(self, job: JobRecord) -> dict[int, int]:
         if not job.home_gpus or sorted(job.home_gpus) == sorted(job.assigned):

@@ -2,253 +2,277 @@
 
 Every transition here is driven by a fact in a supervisor's status file (the job parked, resumed,
 exited, ...) or by a timeout the daemon owns, and is recorded with an event and its reason.
+
+`decide` is a pure function of (record, facts, now): it returns the transitions to make, as data
+(node/transition.py), and the controller applies them. A transparently parked job's driver steps
+are the freezer's (`Verdict.driver`), which the controller runs after these.
 """
 from __future__ import annotations
 
-import logging
-import shutil
+import dataclasses
 import signal as signals
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
-from gpuswap.node.bandwidth import Bandwidths
-from gpuswap.node.freezer import ATTACH_GRACE_S, Freezer
-from gpuswap.node import messages, residue, sessions
-from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
-from gpuswap.node.store import JobRecord, Store
+from gpuswap.lifecycle import EventKind as K, NewEvent
+from gpuswap.node import messages, residue
+from gpuswap.node.freezer import ATTACH_GRACE_S
+from gpuswap.node.launcher import SPAWN_GRACE_S, Observation
+from gpuswap.node.records import JobRecord
+from gpuswap.node.transition import KillProcesses, RemoveCheckpoints, Sample, Transition
 
-log = logging.getLogger("gpuswap.observe")
+P, R, PG, PD, RS = JobState.PENDING, JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING
 
 
-class Observer:
-    def __init__(self, store: Store, launcher: Launcher, freezer: Freezer, bandwidths: Bandwidths,
-                 pause_timeout_s: float, no_runtime: str):
-        self.store, self.launcher, self.freezer, self.bandwidths = store, launcher, freezer, bandwidths
-        self.pause_timeout_s, self.no_runtime = pause_timeout_s, no_runtime
-        self._killing: set[int] = set()     # jobs whose orphaned processes are being killed
+@dataclass(frozen=True)
+class Rules:
+    """The daemon's settings the observer applies (node/settings.py checks them)."""
+    pause_timeout_s: float       # no safepoint within this long after a pause request: fall back
+    no_runtime: str              # the fallback: "wait" (keep running) or "sigstop"
 
-    def observe(self, job: JobRecord, now: float) -> None:
-        if job.state == JobState.PENDING or (job.state == JobState.PAUSED and job.parked == "disk"):
-            if job.cancel_requested:
-                self._end(job, now, state=JobState.CANCELLED, assigned=[], parked=None, parked_bytes=0,
-                          event="cancelled before it ran" if job.state == JobState.PENDING
-                          else "cancelled while parked on disk")
-            return
-        if job.generation == 0:
-            return
-        obs = self.launcher.observe(job.id, job.generation)
-        if obs.exit is not None:
-            if job.state == JobState.RESUMING and job.mechanism != "transparent":
-                # A job may restore, train and exit between two ticks (a loaded machine, a short
-                # tail): its last facts still say what the resume did, so that is recorded first,
-                # at the exit time, rather than lost behind "exited while resuming".
-                self._resuming(job, obs.runtime, _exit_time(obs.exit, now))
-                job = self.store.get(job.id) or job
-            self._finished(job, obs, now)
-            return
-        if not obs.alive:
-            if obs.spawned_at is None:
-                return          # start recorded but not spawned yet; the controller spawns it
-            if obs.status is None and now - obs.spawned_at < SPAWN_GRACE_S:
-                return          # supervisor still starting
-            self._supervisor_died(job, obs, now)
-            return
-        rt = obs.runtime
-        self._track_usage(job, rt, now)
-        if (job.state == JobState.PAUSED and job.parked == "ram" and job.desired_tier == "disk"
-                and _failed_since(rt, job.pause_requested_at)):
-            # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
-            # waits for the user's resume; a policy spill leaves it to the policy.
-            self.store.update(job.id, now, desired_tier="ram",
-                              event=f"spill to disk failed, job stays parked in RAM: {rt['error']}")
-            return
-        if job.mechanism == "transparent" and job.state == JobState.PAUSING:
-            self.freezer.freezing(job, obs, now)
-        elif job.mechanism == "transparent" and job.state == JobState.RESUMING:
-            self.freezer.thawing(job, obs, now)
-        elif job.state == JobState.PAUSING:
-            self._pausing(job, rt, obs, now)
-        elif job.state == JobState.RESUMING:
-            self._resuming(job, rt, now)
 
-    # -- transitions ------------------------------------------------------------------------
-    def _track_usage(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
-        # `no_runtime` is never cleared here: once a pause timed out the job was told "it will not
-        # be preempted", and a runtime that is attached but slow between safepoints would
-        # otherwise be asked again at once, time out again, and loop. See _pausing.
-        changes: dict[str, Any] = {}
-        if rt.get("attached") and not job.attached:
-            changes["attached"] = True
-        dev = int(rt.get("device_bytes") or 0)
-        if rt.get("state") == "running" and dev and dev != job.device_bytes:
-            changes["device_bytes"] = dev
-        if rt.get("step") is not None and rt.get("step") != job.step:
-            changes["step"] = rt["step"]
-        if "ranks" in rt:       # a multi-rank job: its ranks and their states, for `show` and `ls`
-            ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
-            if ranks != job.ranks:
-                changes["ranks"] = ranks
-        width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
-        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
-            changes["width"] = width
-        refusal = _ram_refusal(rt.get("ranks"))
-        if refusal != job.ram_refusal and (refusal is not None or rt.get("ranks") is not None):
-            changes["ram_refusal"] = refusal
-        if changes:
-            self.store.update(job.id, now, **changes)
+@dataclass(frozen=True)
+class Facts:
+    """What was read about a job this tick, beside its record."""
+    obs: Optional[Observation]                    # its supervisor's status; None: not read (no process)
+    residue: Mapping[int, int] = field(default_factory=dict)  # NVML after a RAM park (`wants_residue`)
+    orphans: int = 0             # processes left of a job whose supervisor died (sessions.alive)
 
-    def _pausing(self, job: JobRecord, rt: dict[str, Any], obs: Observation, now: float) -> None:
-        if job.stopped:
-            if obs.stopped:   # the supervisor confirms the SIGSTOP
-                self.store.update(job.id, now, state=JobState.PAUSED, parked=None, desired="running",
-                                  event=f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory "
-                                        "stays allocated and is not counted as freed")
-            return
-        if rt.get("state") == "paused" and rt.get("tier") == "ram":
-            nbytes = int(rt.get("bytes") or 0)
-            if (rt.get("world_size") or 1) > 1:
-                # A multi-rank pause_s holds the wait for the common step and the group teardown,
-                # and its bytes moved over several links at once: not one link's bandwidth. The
-                # slowest rank's teardown is the figure it gives.
-                self.bandwidths.observe_seconds("group_teardown_s", rt.get("group_teardown_s"))
-            else:
-                self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
-            # What the park could not free (its CUDA context, ...), read from NVML now: the runtime
-            # reported the park only once it was done. Kept on the job, and reserved by the policy.
-            kept = residue.measure(obs.job_pid, self.freezer.gpus, job.assigned)
-            stays = f"; {residue.text(kept)} (CUDA context and memory not attached)" if kept else ""
-            self.store.update(
-                job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
-                home_gpus=job.assigned, assigned=[], step=rt.get("step"), residue=kept,
-                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s"
-                      + stays,
-            )
-            return
-        if _failed_since(rt, job.pause_requested_at):
-            err, lead = str(rt["error"]), "park failed, job keeps running: "
-            self.store.update(job.id, now, state=JobState.RUNNING, desired="running", desired_tier=None,
-                              hold=False, event=err if err.startswith(lead) else lead + err)  # multi-rank: said once
-            return
-        if (rt.get("world_size") or 1) > 1 and rt.get("phase") not in (None, "running", "agreeing"):
-            # Every rank reached the common step and the park is under way: the job is no longer
-            # running as it was (groups torn down), and the supervisor's coordinator bounds each
-            # phase by the same timeout, ending the job with the reason (node/ranks.py).
-            return
-        asked_for = now - (job.pause_requested_at or now)
-        never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
-        if asked_for <= self.pause_timeout_s and not never_attached:
-            return
-        # From here on the job is not asked to pause again for the rest of this launch (a later
-        # safepoint or hello proves nothing about the next pause); the flag is per record and
-        # nothing clears it, so the promise in the event below holds.
-        why = ("no gpuswap runtime attached" if not rt.get("attached")
-               else f"no safepoint reached within {self.pause_timeout_s:g} s")
-        multi = (rt.get("world_size") or 1) > 1
-        if multi and rt.get("not_pausable"):
-            why = str(rt["not_pausable"])          # "1 of 2 ranks attached", "rank 1 finished training"
-        if self.no_runtime == "sigstop" and not multi:   # a multi-rank job's ranks are not in its session
-            self.store.update(job.id, now, stopped=True, no_runtime=True, desired="running", reason=why)
+
+@dataclass(frozen=True)
+class Verdict:
+    transitions: tuple[Transition, ...] = ()
+    driver: Optional[Literal["freezing", "thawing"]] = None   # then the freezer goes on from here
+
+
+def reads_status(job: JobRecord) -> bool:
+    """Whether the job has a supervisor to read this tick (a pending or disk-parked job has none)."""
+    return not (job.state == P or (job.state == PD and job.parked == "disk")) and job.generation != 0
+
+
+def wants_residue(job: JobRecord, obs: Observation) -> bool:
+    """Whether `decide` will record a RAM park now, and so needs what it left on the GPUs (NVML)."""
+    rt = obs.runtime
+    return (obs.exit is None and obs.alive and job.state == PG and job.mechanism != "transparent"
+            and not job.stopped and rt.get("state") == "paused" and rt.get("tier") == "ram")
+
+
+def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
+    if job.state == P or (job.state == PD and job.parked == "disk"):
+        if job.cancel_requested:
+            return Verdict((_end(job, now, state=JobState.CANCELLED, assigned=[], parked=None, parked_bytes=0,
+                                 event=NewEvent(K.CANCELLED, "cancelled before it ran" if job.state == P
+                                                else "cancelled while parked on disk", initiator="user")),))
+        return Verdict()
+    obs = facts.obs
+    if job.generation == 0 or obs is None:
+        return Verdict()
+    if obs.exit is not None:
+        out: list[Transition] = []
+        if job.state == RS and job.mechanism != "transparent":
+            # A job may restore, train and exit between two ticks (a loaded machine, a short
+            # tail): its last facts still say what the resume did, so that is recorded first,
+            # at the exit time, rather than lost behind "exited while resuming".
+            first = _resuming(job, obs.runtime, _exit_time(obs.exit, now))
+            if first is not None:
+                out.append(first)
+                job = _after(job, first)
+        out.append(_finished(job, obs, now))
+        return Verdict(tuple(out))
+    if not obs.alive:
+        if obs.spawned_at is None:
+            return Verdict()     # start recorded but not spawned yet; the controller spawns it
+        if obs.status is None and now - obs.spawned_at < SPAWN_GRACE_S:
+            return Verdict()     # supervisor still starting
+        return Verdict((_supervisor_died(job, obs, facts.orphans, now),))
+    rt = obs.runtime
+    out = [t for t in (_track_usage(job, rt, now),) if t is not None]
+    if job.state == PD and job.parked == "ram" and job.desired_tier == "disk" and _failed_since(rt, job.pause_requested_at):
+        # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
+        # waits for the user's resume; a policy spill leaves it to the policy.
+        out.append(Transition(now, dict(desired_tier="ram"), NewEvent(
+            K.SPILL_FAILED, f"spill to disk failed, job stays parked in RAM: {rt['error']}")))
+        return Verdict(tuple(out))
+    if job.mechanism == "transparent" and job.state in (PG, RS):
+        return Verdict(tuple(out), "freezing" if job.state == PG else "thawing")
+    step = (_pausing(job, rt, obs, facts.residue, now, rules) if job.state == PG
+            else _resuming(job, rt, now) if job.state == RS else None)
+    return Verdict(tuple(out) + ((step,) if step is not None else ()))
+
+
+def _after(job: JobRecord, t: Transition) -> JobRecord:
+    """The record as `t` leaves it (what the store would read back)."""
+    changes = {k: v for k, v in t.changes.items() if k in {f.name for f in dataclasses.fields(JobRecord)}}
+    return dataclasses.replace(job, **changes, reason=t.event.text if t.event else job.reason)
+
+
+def _track_usage(job: JobRecord, rt: dict[str, Any], now: float) -> Optional[Transition]:
+    # `no_runtime` is never cleared here: once a pause timed out the job was told "it will not
+    # be preempted", and a runtime that is attached but slow between safepoints would
+    # otherwise be asked again at once, time out again, and loop. See _pausing.
+    changes: dict[str, Any] = {}
+    if rt.get("attached") and not job.attached:
+        changes["attached"] = True
+    dev = int(rt.get("device_bytes") or 0)
+    if rt.get("state") == "running" and dev and dev != job.device_bytes:
+        changes["device_bytes"] = dev
+    if rt.get("step") is not None and rt.get("step") != job.step:
+        changes["step"] = rt["step"]
+    if "ranks" in rt:       # a multi-rank job: its ranks and their states, for `show` and `ls`
+        ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
+        if ranks != job.ranks:
+            changes["ranks"] = ranks
+    width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
+    if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
+        changes["width"] = width
+    refusal = _ram_refusal(rt.get("ranks"))
+    if refusal != job.ram_refusal and (refusal is not None or rt.get("ranks") is not None):
+        changes["ram_refusal"] = refusal
+    return Transition(now, changes) if changes else None
+
+
+def _pausing(job: JobRecord, rt: dict[str, Any], obs: Observation, kept: Mapping[int, int], now: float,
+             rules: Rules) -> Optional[Transition]:
+    if job.stopped:
+        if obs.stopped:   # the supervisor confirms the SIGSTOP
+            return Transition(now, dict(state=PD, parked=None, desired="running"), NewEvent(
+                K.SIGSTOPPED, f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory stays allocated "
+                              "and is not counted as freed"))
+        return None
+    multi = (rt.get("world_size") or 1) > 1
+    if rt.get("state") == "paused" and rt.get("tier") == "ram":
+        nbytes = int(rt.get("bytes") or 0)
+        # A multi-rank pause_s holds the wait for the common step and the group teardown, and its
+        # bytes moved over several links at once: not one link's bandwidth. The slowest rank's
+        # teardown is the figure it gives.
+        sample = (Sample("group_teardown_s", None, rt.get("group_teardown_s")) if multi
+                  else Sample("ram_park_bps", nbytes, rt.get("pause_s")))
+        # What the park could not free (its CUDA context, ...), read from NVML after the runtime
+        # reported the park done (`facts.residue`). Kept on the job, and reserved by the policy.
+        kept = dict(kept)
+        stays = f"; {residue.text(kept)} (CUDA context and memory not attached)" if kept else ""
+        return Transition(now, dict(state=PD, parked="ram", parked_bytes=nbytes, home_gpus=job.assigned, assigned=[],
+                                    step=rt.get("step"), residue=kept), NewEvent(
+            K.PARKED_RAM, f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s"
+                          + stays), (sample,))
+    if _failed_since(rt, job.pause_requested_at):
+        err, lead = str(rt["error"]), "park failed, job keeps running: "
+        return Transition(now, dict(state=R, desired="running", desired_tier=None, hold=False), NewEvent(
+            K.PARK_FAILED, err if err.startswith(lead) else lead + err,   # multi-rank: the lead said once
+            tier=job.desired_tier, mechanism=job.mechanism))
+    if multi and rt.get("phase") not in (None, "running", "agreeing"):
+        # Every rank reached the common step and the park is under way: the job is no longer
+        # running as it was (groups torn down), and the supervisor's coordinator bounds each
+        # phase by the same timeout, ending the job with the reason (node/ranks.py).
+        return None
+    asked_for = now - (job.pause_requested_at or now)
+    never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
+    if asked_for <= rules.pause_timeout_s and not never_attached:
+        return None
+    # From here on the job is not asked to pause again for the rest of this launch (a later
+    # safepoint or hello proves nothing about the next pause); the flag is per record and
+    # nothing clears it, so the promise in the event below holds.
+    why = ("no gpuswap runtime attached" if not rt.get("attached")
+           else f"no safepoint reached within {rules.pause_timeout_s:g} s")
+    if multi and rt.get("not_pausable"):
+        why = str(rt["not_pausable"])          # "1 of 2 ranks attached", "rank 1 finished training"
+    if rules.no_runtime == "sigstop" and not multi:   # a multi-rank job's ranks are not in its session
+        return Transition(now, dict(stopped=True, no_runtime=True, desired="running", reason=why))
+    return Transition(now, dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), NewEvent(
+        K.CANNOT_PARK, f"cannot park ({why}): left running; it will not be preempted",
+        tier=job.desired_tier, mechanism=job.mechanism))
+
+
+def _resuming(job: JobRecord, rt: dict[str, Any], now: float) -> Optional[Transition]:
+    if job.parked == "ram" and rt.get("state") == "running":
+        sample = (Sample("group_rebuild_s", None, rt.get("group_rebuild_s")) if (rt.get("world_size") or 1) > 1
+                  else Sample("ram_resume_bps", job.parked_bytes, rt.get("resume_s")))   # as at the park
+        return Transition(now, dict(state=R, parked=None, parked_bytes=0, home_gpus=[], last_start=now), NewEvent(
+            K.RESUMED_RAM, f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s"), (sample,))
+    if job.parked == "disk" and rt.get("attached"):
+        step = rt.get("restored_step")
+        nbytes, seconds = int(rt.get("restored_bytes") or 0), rt.get("restore_s")
+        read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
+        note = rt.get("restore_note")
+        if step is None and note:   # checkpoints were all bad; the job's env asked for a restart
+            text = str(note)
+        elif step is None:
+            text = "restarted from step 0: its disk checkpoint was gone"
         else:
-            self.store.update(job.id, now, state=JobState.RUNNING, no_runtime=True, hold=False,
-                              desired="running", desired_tier=None,
-                              event=f"cannot park ({why}): left running; it will not be preempted")
+            text = f"restarted from its disk checkpoint at step {step}{read}" + (f"; {note}" if note else "")
+        # The runtime timed its restore (read, verify, load, copy in): the disk tier's real
+        # resume bandwidth, as a RAM resume's timing is the RAM tier's.
+        return Transition(now, dict(state=R, parked=None, parked_bytes=0, last_start=now),
+                          NewEvent(K.RESTARTED_DISK, text), (Sample("disk_read_bps", nbytes, seconds),))
+    return None
 
-    def _resuming(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
-        if job.parked == "ram" and rt.get("state") == "running":
-            if (rt.get("world_size") or 1) > 1:     # as at the park: the group's rebuild, not a bandwidth
-                self.bandwidths.observe_seconds("group_rebuild_s", rt.get("group_rebuild_s"))
-            else:
-                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.get("resume_s"))
-            self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
-                              last_start=now,
-                              event=f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s")
-        elif job.parked == "disk" and rt.get("attached"):
-            step = rt.get("restored_step")
-            nbytes, seconds = int(rt.get("restored_bytes") or 0), rt.get("restore_s")
-            # The runtime timed its restore (read, verify, load, copy in): the disk tier's real
-            # resume bandwidth, as a RAM resume's timing is the RAM tier's.
-            self.bandwidths.observe("disk_read_bps", nbytes, seconds)
-            read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
-            note = rt.get("restore_note")
-            if step is None and note:   # checkpoints were all bad; the job's env asked for a restart
-                event = str(note)
-            elif step is None:
-                event = "restarted from step 0: its disk checkpoint was gone"
-            else:
-                event = f"restarted from its disk checkpoint at step {step}{read}" + (f"; {note}" if note else "")
-            self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, last_start=now,
-                              event=event)
 
-    def _supervisor_died(self, job: JobRecord, obs: Observation, now: float) -> None:
-        """Nobody will reap or control the job's processes any more: kill its whole session, and
-        end the job (freeing its GPUs and RAM) only once none of its processes is left."""
-        status = obs.status or {}
-        pid = status.get("job_pid")
-        # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
-        ranks = messages.rank_pids(status.get("rank_pids"))
-        if isinstance(pid, int) and pid > 1:
-            if sessions.kill(pid, status.get("job_start_ticks")) + sessions.kill_pids(ranks):
-                if job.id not in self._killing:
-                    self._killing.add(job.id)
-                    log.warning("job %d: its supervisor died; killing the processes of its session %d",
-                                job.id, pid)
-                return      # confirmed gone at a later tick, before anything else gets its GPUs
-            why = "its supervisor died without recording an exit status; its processes were killed"
-        else:
-            why = "its supervisor died before starting the job"
-        self._killing.discard(job.id)
-        self._end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, event=why)
+def _supervisor_died(job: JobRecord, obs: Observation, orphans: int, now: float) -> Transition:
+    """Nobody will reap or control the job's processes any more: kill its whole session, and
+    end the job (freeing its GPUs and RAM) only once none of its processes is left."""
+    status = obs.status or {}
+    pid = status.get("job_pid")
+    if isinstance(pid, int) and pid > 1:
+        if orphans:
+            # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
+            ranks = tuple(messages.rank_pids(status.get("rank_pids")))
+            return Transition(now, effects=(KillProcesses(pid, status.get("job_start_ticks"), ranks),))
+            # confirmed gone at a later tick, before anything else gets its GPUs
+        why = "its supervisor died without recording an exit status; its processes were killed"
+    else:
+        why = "its supervisor died before starting the job"
+    return _end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0,
+                event=NewEvent(K.FAILED, why))
 
-    def _end(self, job: JobRecord, now: float, **changes: Any) -> None:
-        """Record a terminal state. A completed or cancelled job's checkpoints are dropped (nothing
-        will resume them and nobody asked to keep them); a failed job's stay in jobs/ID/ckpt, its
-        owner's to recover (docs/runtime.md)."""
-        self.store.update(job.id, now, end_time=now, **changes)
-        if changes.get("state") in (JobState.COMPLETED, JobState.CANCELLED):
-            shutil.rmtree(self.launcher.ckpt_dir(job.id), ignore_errors=True)
 
-    def _finished(self, job: JobRecord, obs: Observation, now: float) -> None:
-        ex, rt = obs.exit or {}, obs.runtime
-        # When it ended, not when we noticed: a job that ended while the daemon was down is seen
-        # only after the restart, but its supervisor wrote the exit time in status.json.
-        now = _exit_time(ex, now)
-        code, sig = ex.get("code"), ex.get("signal")
-        common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
-        # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
-        # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
-        multi = (rt.get("world_size") or 1) > 1
-        if ((code == REQUEUE_EXIT_CODE or multi) and rt.get("state") == "checkpointed"
-                and not job.cancel_requested and not ex.get("error")):
-            nbytes = int(rt.get("bytes") or 0)
-            self.bandwidths.observe("disk_write_bps", nbytes, rt.get("pause_s"))
-            if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
-                common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
-            self.store.update(
-                job.id, now, state=JobState.PAUSED, parked="disk", parked_bytes=nbytes, home_gpus=[],
-                step=rt.get("step"), mechanism="cooperative", **common,
-                event=f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} "
-                      f"written in {rt.get('pause_s') or 0:.2f} s; requeued"
-                      + (f" ({rt['ckpt_note']})" if rt.get("ckpt_note") else ""))
-            return
-        common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
-        if rt.get("restore_failed") and not job.cancel_requested:
-            # No usable checkpoint: the job refused to start over. Its checkpoints are kept (not
-            # `_end`): they are the evidence, and perhaps repairable.
-            self.store.update(job.id, now, end_time=now, state=JobState.FAILED,
-                              event=f"{rt['restore_failed']} ({_exit_text(code, sig)})", **common)
-            return
-        where = f" while {job.state.value.lower()}" if job.state != JobState.RUNNING else ""
-        if ex.get("error"):
-            self._end(job, now, state=JobState.FAILED, event=ex["error"], **common)
-        elif job.abort_reason:
-            self._end(job, now, state=JobState.FAILED, event=f"{job.abort_reason} ({_exit_text(code, sig)})", **common)
-        elif job.cancel_requested:
-            self._end(job, now, state=JobState.CANCELLED, event=f"{_exit_text(code, sig)} after a cancel request",
-                      **common)
-        elif code == 0:
-            self._end(job, now, state=JobState.COMPLETED, event=f"exited with code 0{where}", **common)
-        else:
-            self._end(job, now, state=JobState.FAILED, event=_exit_text(code, sig) + where, **common)
+def _end(job: JobRecord, now: float, event: NewEvent, **changes: Any) -> Transition:
+    """Record a terminal state. A completed or cancelled job's checkpoints are dropped (nothing
+    will resume them and nobody asked to keep them); a failed job's stay in jobs/ID/ckpt, its
+    owner's to recover (docs/runtime.md)."""
+    drop = changes.get("state") in (JobState.COMPLETED, JobState.CANCELLED)
+    return Transition(now, dict(end_time=now, **changes), event, (RemoveCheckpoints(job.id),) if drop else ())
+
+
+def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
+    ex, rt = obs.exit or {}, obs.runtime
+    # When it ended, not when we noticed: a job that ended while the daemon was down is seen
+    # only after the restart, but its supervisor wrote the exit time in status.json.
+    now = _exit_time(ex, now)
+    code, sig = ex.get("code"), ex.get("signal")
+    common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
+    # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
+    # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
+    multi = (rt.get("world_size") or 1) > 1
+    if ((code == REQUEUE_EXIT_CODE or multi) and rt.get("state") == "checkpointed"
+            and not job.cancel_requested and not ex.get("error")):
+        nbytes = int(rt.get("bytes") or 0)
+        if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
+            common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
+        return Transition(now, dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=rt.get("step"),
+                                    mechanism="cooperative", **common), NewEvent(
+            K.SPILLED if job.state == PD else K.PARKED_DISK,
+            f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} written in "
+            f"{rt.get('pause_s') or 0:.2f} s; requeued" + (f" ({rt['ckpt_note']})" if rt.get("ckpt_note") else "")),
+            (Sample("disk_write_bps", nbytes, rt.get("pause_s")),))
+    common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
+    if rt.get("restore_failed") and not job.cancel_requested:
+        # No usable checkpoint: the job refused to start over. Its checkpoints are kept (not
+        # `_end`'s drop): they are the evidence, and perhaps repairable.
+        return Transition(now, dict(end_time=now, state=JobState.FAILED, **common),
+                          NewEvent(K.FAILED, f"{rt['restore_failed']} ({_exit_text(code, sig)})"))
+    where = f" while {job.state.value.lower()}" if job.state != R else ""
+    if ex.get("error"):
+        return _end(job, now, NewEvent(K.FAILED, ex["error"]), state=JobState.FAILED, **common)
+    if job.abort_reason:
+        return _end(job, now, NewEvent(K.FAILED, f"{job.abort_reason} ({_exit_text(code, sig)})"),
+                    state=JobState.FAILED, **common)
+    if job.cancel_requested:
+        return _end(job, now, NewEvent(K.CANCELLED, f"{_exit_text(code, sig)} after a cancel request",
+                                       initiator="user"), state=JobState.CANCELLED, **common)
+    if code == 0:
+        return _end(job, now, NewEvent(K.COMPLETED, f"exited with code 0{where}"), state=JobState.COMPLETED, **common)
+    return _end(job, now, NewEvent(K.FAILED, _exit_text(code, sig) + where), state=JobState.FAILED, **common)
 
 
 def _exit_time(ex: dict[str, Any], now: float) -> float:
@@ -284,4 +308,3 @@ def _exit_text(code: Any, sig: Any) -> str:
             name = f"signal {sig}"
         return f"killed by {name}"     # the exit code (128+N) is the record's, shown beside the state
     return f"exited with code {code}"
-

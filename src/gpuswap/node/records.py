@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from gpuswap.jobs import JobState
 
@@ -110,6 +110,25 @@ class Event:
     time: float
     state: str
     reason: str
+    # What it records (gpuswap.lifecycle.EventKind's value), where to and how, and who asked: NULL
+    # on rows written before they were recorded that no wording rule matched (node/schema.py).
+    kind: Optional[str] = None
+    tier: Optional[str] = None
+    mechanism: Optional[str] = None
+    initiator: Optional[str] = None
+
+
+class EventRow(NamedTuple):
+    """A row of the events table as the metrics fold it (Store.events_after)."""
+    id: int
+    job_id: int
+    time: float
+    state: str
+    reason: str
+    initiator: Optional[str]
+    kind: Optional[str]
+    tier: Optional[str]
+    mechanism: Optional[str]
 
 
 @dataclass

@@ -173,10 +173,65 @@ def _baseline(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE events ADD COLUMN initiator TEXT")
 
 
+# -- version 2: events say what they record (issue 14): its kind, tier and mechanism -------------
+# Rows written before carry only a sentence. Their kind, tier, mechanism and initiator are inferred
+# here, once, from the wording gpuswap used then (the only place that reads an event's text), so the
+# metrics fold old and new rows alike; a sentence no rule matches keeps kind NULL.
+_EVENT_KINDS = (
+    # (kind, SQL condition on the row, tier, mechanism)
+    ("submitted", "state='PENDING' AND reason='submitted'", None, None),
+    ("started", "state='RUNNING' AND reason GLOB 'started on GPU*'", None, None),
+    ("park_started", "state='PAUSING' AND reason GLOB 'freezing through the driver*'", "ram", "transparent"),
+    ("park_started", "state='PAUSING' AND reason GLOB 'pausing to ram*'", "ram", "cooperative"),
+    ("park_started", "state='PAUSING' AND reason GLOB 'pausing to disk*'", "disk", "cooperative"),
+    ("parked_ram", "state='PAUSED' AND reason GLOB 'parked in RAM*'", "ram", "cooperative"),
+    ("frozen", "state='PAUSED' AND reason GLOB 'frozen transparently*'", "ram", "transparent"),
+    ("sigstopped", "state='PAUSED' AND reason GLOB '*SIGSTOP*'", "gpu", "sigstop"),
+    ("spill_requested", "state='PAUSED' AND reason GLOB 'spill to disk requested*'", "disk", "cooperative"),
+    ("spill_requested", "state='PAUSED' AND reason GLOB 'spilling from RAM to disk*'", "disk", "cooperative"),
+    ("spill_failed", "state='PAUSED' AND reason GLOB 'spill to disk failed*'", "disk", "cooperative"),
+    ("resume_started", "state='RESUMING' AND reason GLOB 'resuming from RAM*'", "ram", "cooperative"),
+    ("resume_started", "state='RESUMING' AND reason GLOB 'thawing*'", "ram", "transparent"),
+    ("resume_started", "state='RESUMING' AND reason GLOB 'restarting from its disk checkpoint*'", "disk",
+     "cooperative"),
+    ("resumed_ram", "state='RUNNING' AND reason GLOB 'resumed from RAM*'", "ram", "cooperative"),
+    ("thawed", "state='RUNNING' AND reason GLOB 'thawed*'", "ram", "transparent"),
+    ("continued", "state='RUNNING' AND reason GLOB 'continued (SIGCONT)*'", "gpu", "sigstop"),
+    ("park_failed", "state='RUNNING' AND reason GLOB 'park failed*'", None, None),
+    ("cannot_park", "state='RUNNING' AND reason GLOB 'cannot park*'", None, None),
+    ("cannot_freeze", "state='RUNNING' AND reason GLOB 'cannot freeze transparently*'", None, "transparent"),
+    ("completed", "state='COMPLETED'", None, None),
+    ("failed", "state='FAILED'", None, None),
+    ("cancelled", "state='CANCELLED'", None, None),
+    ("waiting", "reason GLOB 'waiting (*'", None, None),
+)
+
+
+def _event_kinds(db: sqlite3.Connection) -> None:
+    have = columns(db, "events")
+    for name in ("kind", "tier", "mechanism"):
+        if name not in have:
+            db.execute(f"ALTER TABLE events ADD COLUMN {name} TEXT")
+    for kind, where, tier, mechanism in _EVENT_KINDS:
+        db.execute(f"UPDATE events SET kind=?, tier=?, mechanism=? WHERE kind IS NULL AND {where}",
+                   (kind, tier, mechanism))
+    # A park to disk: a spill when the job was already PAUSED (parked in RAM) before it.
+    db.execute("UPDATE events SET tier='disk', mechanism='cooperative', kind=CASE WHEN (SELECT p.state FROM "
+               "events p WHERE p.job_id=events.job_id AND p.id<events.id ORDER BY p.id DESC LIMIT 1)='PAUSED' "
+               "THEN 'spilled' ELSE 'parked_disk' END WHERE kind IS NULL AND state='PAUSED' "
+               "AND reason GLOB 'parked to disk*'")
+    # Who asked, for rows from before `initiator`: a user's pause or spill said so in its sentence.
+    db.execute("UPDATE events SET initiator=CASE WHEN reason GLOB '*requested by user*' "
+               "OR reason GLOB 'spill to disk requested*' THEN 'user' ELSE 'policy' END "
+               "WHERE initiator IS NULL AND (kind IN ('park_started','spill_requested') "
+               "OR (kind IS NULL AND state='PAUSING'))")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
     Step(1, "the gpuswap 0.1.0 layout (and any earlier database brought up to it)", _baseline),
+    Step(2, "events gain kind, tier and mechanism (old rows' inferred from their wording)", _event_kinds),
 )
 LATEST = STEPS[-1].version
 

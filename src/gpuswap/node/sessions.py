@@ -86,3 +86,12 @@ def _kill_each(pids: Iterable[int], still_ours: Callable[[int, tuple[str, int, i
         finally:
             os.close(fd)
     return left
+
+def alive(sid: int, started: Optional[int], ranks: Iterable[tuple[int, Optional[int]]] = ()) -> int:
+    """How many processes `kill(sid, started)` and `kill_pids(ranks)` would signal now (none signalled)."""
+    left = len(members(sid, started))
+    for pid, ticks in ranks:
+        st = _stat(pid)
+        if st is not None and st[0] not in ("Z", "X") and (ticks is None or st[2] == ticks):
+            left += 1
+    return left

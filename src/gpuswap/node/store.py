@@ -15,12 +15,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from gpuswap import lifecycle
 from gpuswap.jobs import ENDED, JobState
+from gpuswap.lifecycle import EventKind, IllegalTransition, NewEvent
 from gpuswap.node import schema
-from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, JobRecord,
+from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, EventRow, JobRecord,
                                   NewJob, encode)
 
-__all__ = ["Event", "JobRecord", "NewJob", "Store"]   # the records are node/records.py's, also named here
+# the records are node/records.py's and lifecycle.py's, also named here
+__all__ = ["Event", "EventRow", "IllegalTransition", "JobRecord", "NewEvent", "NewJob", "Store"]
+_EVENT_INSERT = "INSERT INTO events (job_id,time,state,reason,initiator,kind,tier,mechanism) VALUES (?,?,?,?,?,?,?,?)"
 
 _TERMINAL = tuple(sorted(ENDED))
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
@@ -94,10 +98,8 @@ class Store:
                     argv = json.dumps(j.argv)
                     self._db.execute("INSERT INTO job_specs (job_id,argv,argv_bytes,env) VALUES (?,?,?,?)",
                                      (jid, argv, len(argv.encode("utf-8", "surrogatepass")), json.dumps(j.env)))
-                    self._db.execute(
-                        "INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
-                        (jid, now, JobState.PENDING.value, "submitted"),
-                    )
+                    self._db.execute(_EVENT_INSERT, (jid, now, JobState.PENDING.value, "submitted", None,
+                                                     EventKind.SUBMITTED.value, None, None))
                     ids.append(jid)
                 self._db.execute("COMMIT")
             except BaseException:
@@ -137,18 +139,28 @@ class Store:
             rows = self._db.execute(sql, args).fetchall()
         return [JobRecord.from_row(r) for r in rows]
 
-    def update(self, job_id: int, now: float, event: Optional[str] = None, initiator: Optional[str] = None,
+    def update(self, job_id: int, now: float, event: NewEvent | str | None = None, initiator: Optional[str] = None,
                **changes: Any) -> None:
-        """Change columns of a job; with `event`, also record a state event, atomically.
+        """Change columns of a job; with `event`, also record an event, atomically.
 
-        The event's state is the job's state after the change; `initiator` ('policy' or 'user')
-        says who asked for the pause or spill it records (for metrics, not read back from text).
+        The event's state is the job's state after the change. A change of state, or an event of a
+        kind that moves jobs, must be an edge of gpuswap.lifecycle's table: otherwise
+        IllegalTransition is raised and nothing is written. A bare sentence is an event of no kind
+        (it can change no state); `initiator` ('policy' or 'user') says who asked, when `event`
+        does not.
         """
         if not changes and event is None:
             return
+        ev = NewEvent(None, event) if isinstance(event, str) else event
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                kind = ev.kind if ev is not None else None
+                if "state" in changes or (kind is not None and kind not in lifecycle.NOTES):
+                    row = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+                    if row is not None:
+                        new = changes.get("state")
+                        lifecycle.check(JobState(row[0]), kind, JobState(new) if new is not None else None)
                 if "state" in changes:
                     changes.setdefault("state_since", now)
                 changes["version"] = self._next_version()
@@ -160,25 +172,25 @@ class Store:
                     )
                 if changes.get("state") in _ENDED:   # its environment is never needed again
                     self._db.execute("UPDATE job_specs SET env=NULL WHERE job_id=?", (job_id,))
-                if event is not None:
+                if ev is not None:
                     state = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()[0]
-                    self._db.execute(
-                        "INSERT INTO events (job_id,time,state,reason,initiator) VALUES (?,?,?,?,?)",
-                        (job_id, now, state, event, initiator),
-                    )
+                    self._db.execute(_EVENT_INSERT, (job_id, now, state, ev.text, ev.initiator or initiator,
+                                                     *ev.facts()))
                     if "reason" not in changes:
-                        self._db.execute("UPDATE jobs SET reason=? WHERE id=?", (event, job_id))
+                        self._db.execute("UPDATE jobs SET reason=? WHERE id=?", (ev.text, job_id))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
 
-    def add_event(self, job_id: int, now: float, state: JobState, text: str) -> None:
+    def add_event(self, job_id: int, now: float, state: JobState, text: str,
+                  kind: EventKind = EventKind.WAITING) -> None:
         """Record an event that changes nothing about the job (why it waits): its row, its `reason`
         (the last transition's) and its version stay as they are."""
+        if kind not in lifecycle.NOTES:
+            raise IllegalTransition(f"an event {kind.value!r} is not a note; record it with update()")
         with self._lock:
-            self._db.execute("INSERT INTO events (job_id,time,state,reason) VALUES (?,?,?,?)",
-                             (job_id, now, state.value, text))
+            self._db.execute(_EVENT_INSERT, (job_id, now, state.value, text, None, kind.value, None, None))
 
     def accrue(self, rows: list[tuple[int, float, float, float]]) -> None:
         """Add (attained_gpu_s, run_s, switch_s) deltas to many jobs in one transaction."""
@@ -290,9 +302,9 @@ class Store:
     def events(self, job_id: int) -> list[Event]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT time,state,reason FROM events WHERE job_id=? ORDER BY id", (job_id,)
-            ).fetchall()
-        return [Event(r["time"], r["state"], r["reason"]) for r in rows]
+                "SELECT time,state,reason,kind,tier,mechanism,initiator FROM events WHERE job_id=? ORDER BY id",
+                (job_id,)).fetchall()
+        return [Event(*r) for r in rows]
 
     def record_decision(self, now: float, kind: str, job_id: int, detail: dict[str, Any]) -> None:
         with self._lock:
@@ -349,11 +361,9 @@ class Store:
         with self._lock:
             return self._db.execute("DELETE FROM tokens WHERE id=?", (token_id,)).rowcount > 0
 
-    def events_after(self, after_id: int, limit: int = 10000) -> list[tuple[int, int, float, str, str, Optional[str]]]:
-        """(id, job_id, time, state, reason, initiator) of events past `after_id`, oldest first: the
-        table only grows."""
+    def events_after(self, after_id: int, limit: int = 10000) -> list[EventRow]:
+        """Events past `after_id`, oldest first: the table only grows."""
         with self._lock:
-            rows = self._db.execute("SELECT id,job_id,time,state,reason,initiator FROM events WHERE id>? "
-                                    "ORDER BY id LIMIT ?",
-                                    (after_id, limit)).fetchall()
-        return [tuple(r) for r in rows]  # type: ignore[misc]
+            rows = self._db.execute("SELECT id,job_id,time,state,reason,initiator,kind,tier,mechanism FROM events "
+                                    "WHERE id>? ORDER BY id LIMIT ?", (after_id, limit)).fetchall()
+        return [EventRow(*r) for r in rows]

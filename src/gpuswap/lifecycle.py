@@ -1,0 +1,229 @@
+"""A job's lifecycle: which event may move a job from which state to which, in one table.
+
+Every state change the daemon records is an event of a kind (`EventKind`); the store refuses a
+change whose (state, kind) -> state is not an edge here (`check`), so a rule nobody wrote down
+cannot be taken silently. The simulator asks the same table whether a decision fits a job's phase,
+the API whether a job can be paused, resumed or cancelled, and docs/architecture.md draws its
+state diagram from it (`mermaid`). No I/O: the policy, the simulator, the daemon and the API all
+import it.
+
+What each state carries on the job's record: PENDING nothing; RUNNING, PAUSING and RESUMING their
+assigned GPUs (and the generation launched); PAUSED a `Parked` (tier, mechanism, bytes, home GPUs),
+or, stopped by SIGSTOP, its assigned GPUs with its memory still on them; an ended state its exit
+code or signal and end time.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from gpuswap.jobs import JobState
+
+P, R, PG, PD, RS = JobState.PENDING, JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING
+COMPLETED, FAILED, CANCELLED = JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED
+STARTED = (R, PG, PD, RS)          # a job with (or that had) a process of this generation
+
+
+class EventKind(str, enum.Enum):
+    """What an event records; the value is what the database and the API hold."""
+
+    SUBMITTED = "submitted"
+    STARTED = "started"
+    PARK_STARTED = "park_started"          # the controller asked the job (or the driver) to park it
+    PARKED_RAM = "parked_ram"              # its runtime moved its GPU memory to host RAM
+    PARKED_DISK = "parked_disk"            # its runtime wrote a disk checkpoint and exited (requeued)
+    FROZEN = "frozen"                      # the driver checkpointed it into host RAM
+    SIGSTOPPED = "sigstopped"              # no park possible: stopped, its memory stays on the GPU
+    PARK_FAILED = "park_failed"            # the park was tried and failed; it keeps running
+    CANNOT_PARK = "cannot_park"            # no runtime / no safepoint: left running, never asked again
+    CANNOT_FREEZE = "cannot_freeze"        # the driver path refused: left running, not frozen again
+    RESUME_STARTED = "resume_started"      # given GPUs again: restoring from RAM, thawing or restarting
+    RESUMED_RAM = "resumed_ram"
+    RESTARTED_DISK = "restarted_disk"
+    THAWED = "thawed"
+    CONTINUED = "continued"                # SIGCONT of a SIGSTOPped job
+    SPILL_REQUESTED = "spill_requested"    # a RAM-parked job is to move to disk (policy or user)
+    SPILLED = "spilled"
+    SPILL_FAILED = "spill_failed"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    # Notes: recorded in any live state, they change no state.
+    PAUSE_REQUESTED = "pause_requested"    # a user's hold (API)
+    PAUSE_DEFERRED = "pause_deferred"      # a user's pause kept until the runtime attaches
+    PAUSE_REFUSED = "pause_refused"        # a user's pause to a tier the job cannot be parked to
+    RESUME_REQUESTED = "resume_requested"  # a user's hold dropped (API)
+    CANCEL_REQUESTED = "cancel_requested"
+    RESTORE_DEFERRED = "restore_deferred"  # a thaw waits for room on its GPUs
+    ABORTING = "aborting"                  # the daemon stops a job that cannot go on; it ends FAILED
+    WAITING = "waiting"                    # why a pending or paused job waits (the policy's reason)
+    STEP_FAILED = "step_failed"            # gpuswap failed a step for this job; it retries
+
+
+K = EventKind
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: Optional[JobState]       # None: the job did not exist
+    kind: EventKind
+    target: JobState
+    why: str = ""                    # for an edge that is not obvious: why it is legal
+
+
+def _each(sources: Iterable[JobState], kind: EventKind, target: JobState, why: str = "") -> list[Edge]:
+    return [Edge(s, kind, target, why) for s in sources]
+
+
+EDGES: tuple[Edge, ...] = (
+    Edge(None, K.SUBMITTED, P),
+    Edge(P, K.STARTED, R),
+    Edge(R, K.PARK_STARTED, PG),
+    Edge(PG, K.PARKED_RAM, PD),
+    Edge(PG, K.PARKED_DISK, PD),
+    Edge(PG, K.FROZEN, PD),
+    Edge(PG, K.SIGSTOPPED, PD),
+    Edge(PG, K.PARK_FAILED, R),
+    Edge(PG, K.CANNOT_PARK, R),
+    Edge(PG, K.CANNOT_FREEZE, R),
+    Edge(PD, K.RESUME_STARTED, RS),
+    Edge(RS, K.RESUMED_RAM, R),
+    Edge(RS, K.RESTARTED_DISK, R),
+    Edge(RS, K.THAWED, R),
+    Edge(PD, K.CONTINUED, R),
+    # A parked job stays PAUSED while its tier changes from RAM to disk.
+    Edge(PD, K.SPILL_REQUESTED, PD),
+    Edge(PD, K.SPILLED, PD),
+    Edge(PD, K.SPILL_FAILED, PD),
+    # A job with a process ends however it is moving: its exit is a fact, whatever was asked of it.
+    *_each(STARTED, K.COMPLETED, COMPLETED),
+    *_each(STARTED, K.FAILED, FAILED),
+    Edge(P, K.CANCELLED, CANCELLED),
+    *_each(STARTED, K.CANCELLED, CANCELLED),
+)
+NOTES = frozenset({K.PAUSE_REQUESTED, K.PAUSE_DEFERRED, K.PAUSE_REFUSED, K.RESUME_REQUESTED, K.CANCEL_REQUESTED,
+                   K.RESTORE_DEFERRED, K.ABORTING, K.WAITING, K.STEP_FAILED})
+_TARGET = {(e.source, e.kind): e.target for e in EDGES}
+_MOVES = frozenset(e.kind for e in EDGES)
+
+# What a kind says by itself about where the job's state goes and how: (tier, mechanism). An event
+# may carry others (a park request names its tier and mechanism); these fill what it leaves out.
+# Tier "gpu": a SIGSTOPped job's memory stays on its GPU.
+IMPLIED: dict[EventKind, tuple[Optional[str], Optional[str]]] = {
+    K.PARKED_RAM: ("ram", "cooperative"), K.PARKED_DISK: ("disk", "cooperative"),
+    K.FROZEN: ("ram", "transparent"), K.SIGSTOPPED: ("gpu", "sigstop"), K.CONTINUED: ("gpu", "sigstop"),
+    K.RESUMED_RAM: ("ram", "cooperative"), K.RESTARTED_DISK: ("disk", "cooperative"),
+    K.THAWED: ("ram", "transparent"), K.CANNOT_FREEZE: (None, "transparent"),
+    K.SPILL_REQUESTED: ("disk", "cooperative"), K.SPILLED: ("disk", "cooperative"),
+    K.SPILL_FAILED: ("disk", "cooperative"),
+}
+
+
+class IllegalTransition(ValueError):
+    """A state change the lifecycle table does not allow: a bug in the code that asked for it."""
+
+
+def target(source: Optional[JobState], kind: EventKind) -> JobState:
+    """The state an event of `kind` moves a job in `source` (None: a new job) to (a note: `source`)."""
+    kind = EventKind(kind)
+    if kind in NOTES and source is not None:
+        return source
+    try:
+        return _TARGET[(source, kind)]
+    except KeyError:
+        where = "a new job" if source is None else f"a job in {source.value}"
+        raise IllegalTransition(f"{where} cannot take an event {kind.value!r}") from None
+
+
+def allows(source: JobState, kind: EventKind) -> bool:
+    return kind in NOTES or (source, kind) in _TARGET
+
+
+def check(source: JobState, kind: Optional[EventKind], new: Optional[JobState]) -> None:
+    """Raise IllegalTransition unless an event of `kind` may move a job from `source` to `new`
+    (None: the change leaves the state as it is)."""
+    if kind is None:
+        if new is not None and new != source:
+            raise IllegalTransition(f"a change of state ({source.value} -> {new.value}) needs an event kind")
+        if new is None:
+            return
+        raise IllegalTransition(f"a write of state {new.value} needs an event kind")
+    want = target(source, kind)
+    if new is not None and new != want:
+        raise IllegalTransition(f"an event {EventKind(kind).value!r} moves a job in {source.value} to "
+                                f"{want.value}, not {new.value}")
+    if new is None and kind in _MOVES and want != source:
+        raise IllegalTransition(f"an event {EventKind(kind).value!r} moves a job in {source.value} to "
+                                f"{want.value}; the change must say so")
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event as code records it: what happened (`kind`), the sentence people read, and the facts
+    the metrics and the dashboard read instead of the sentence. `tier` and `mechanism` left None
+    take what the kind implies (IMPLIED); `initiator` ('policy' | 'user') says who asked."""
+
+    kind: Optional[EventKind]
+    text: str
+    tier: Optional[str] = None
+    mechanism: Optional[str] = None
+    initiator: Optional[str] = None
+
+    def facts(self) -> tuple[Optional[str], Optional[str], Optional[str]]:
+        """(kind, tier, mechanism) as the events table holds them."""
+        if self.kind is None:
+            return None, self.tier, self.mechanism
+        tier, mechanism = IMPLIED.get(self.kind, (None, None))
+        return EventKind(self.kind).value, self.tier or tier, self.mechanism or mechanism
+
+
+# The API's checks, read off the table. A job with a process: one that can still complete.
+_WITH_PROCESS = frozenset(e.source for e in EDGES if e.kind is K.COMPLETED)
+
+
+def may_cancel(state: JobState) -> bool:
+    """A cancel request can end it: the table has a way from `state` to CANCELLED."""
+    return (state, K.CANCELLED) in _TARGET
+
+
+def may_pause(state: JobState) -> bool:
+    """A user's hold means something: the job has a process (running, or moving between its GPU
+    and a tier, where the hold then stands)."""
+    return state in _WITH_PROCESS
+
+
+def may_resume(state: JobState) -> bool:
+    """A user's hold can be dropped: the same started, not ended jobs."""
+    return state in _WITH_PROCESS
+
+
+@dataclass(frozen=True)
+class Parked:
+    """Where a PAUSED (or RESUMING) job's GPU state is, as one record."""
+
+    tier: str                   # ram | disk
+    mechanism: Optional[str]    # cooperative | transparent
+    nbytes: int
+    home_gpus: tuple[int, ...]  # the GPUs it ran on (a RAM park's CUDA context stays there)
+
+    @classmethod
+    def of(cls, job: Any) -> Optional["Parked"]:
+        """From a job record (node/records.py's JobRecord), None when nothing is parked."""
+        if job.parked is None:
+            return None
+        return cls(job.parked, job.mechanism, int(job.parked_bytes), tuple(job.home_gpus))
+
+
+def mermaid() -> str:
+    """The table as a Mermaid state diagram (docs/architecture.md holds this text)."""
+    lines = ["stateDiagram-v2"]
+    labels: dict[tuple[str, str], list[str]] = {}
+    for e in EDGES:
+        src = "[*]" if e.source is None else e.source.value
+        labels.setdefault((src, e.target.value), []).append(e.kind.value)
+    for (src, dst), kinds in labels.items():
+        lines.append(f"    {src} --> {dst}: {', '.join(kinds)}")
+    for s in (COMPLETED, FAILED, CANCELLED):
+        lines.append(f"    {s.value} --> [*]")
+    return "\n".join(lines) + "\n"
