@@ -3,7 +3,9 @@
 Gauges read the jobs table and the GPU inventory as they are now. Counters and histograms are a
 fold over the append-only `events` table (state transitions with their times), so they survive a
 daemon restart without being reset: a fresh daemon refolds the log from the start. The fold is
-incremental (only new events are read per scrape) and keeps a little state per live job.
+incremental (only new events are read per scrape) and keeps a little state per live job. It reads
+each event's kind, tier, mechanism and initiator, never its sentence (rows from before those were
+recorded had theirs inferred once, by node/schema.py's version 2).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prometheus_client.registry import Collector
 import gpuswap
 from gpuswap.api.overview import gpu_used, kept_on
 from gpuswap.jobs import ENDED, JobState, Priority
+from gpuswap.lifecycle import EventKind
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.store import Store
@@ -60,27 +63,18 @@ class _JobTrack:
     spill_by: str = "policy"
 
 
-def _park_kind(reason: str) -> tuple[str, str]:
-    """(mechanism, tier) of a transition into PAUSED, from the event the observer wrote."""
-    if reason.startswith("parked in RAM"):
-        return "cooperative", "ram"
-    if reason.startswith("parked to disk"):
-        return "cooperative", "disk"
-    if reason.startswith("frozen transparently"):
-        return "transparent", "ram"
-    if "SIGSTOP" in reason:
-        return "sigstop", "gpu"
+# A park's labels (mechanism, tier) from the event that recorded it: its kind says where the state
+# went and how (gpuswap.lifecycle.IMPLIED); a SIGSTOPped job's memory stays on its GPU.
+_PARKED = frozenset({EventKind.PARKED_RAM.value, EventKind.PARKED_DISK.value, EventKind.FROZEN.value,
+                     EventKind.SIGSTOPPED.value})
+_TO_DISK = frozenset({EventKind.PARKED_DISK.value, EventKind.SPILLED.value})
+
+
+def _park_kind(kind: Optional[str], tier: Optional[str], mechanism: Optional[str]) -> tuple[str, str]:
+    """(mechanism, tier) of a transition into PAUSED, from the event's fields."""
+    if kind in _PARKED and tier and mechanism:
+        return mechanism, tier
     return "other", "none"
-
-
-def _spill_request(reason: str, initiator: Optional[str]) -> Optional[str]:
-    """The initiator of a RAM->disk spill request event, else None: recorded on the event (app.py:
-    user; controller: policy); for events written before it was, told from their fixed wording."""
-    if reason.startswith("spill to disk requested"):
-        return initiator or "user"
-    if reason.startswith("spilling from RAM to disk"):
-        return initiator or "policy"
-    return None
 
 
 class EventFold:
@@ -117,13 +111,13 @@ class EventFold:
             return
         if state == tr.state:
             if state == "PAUSED":
-                self._parked_event(tr, t, reason, initiator)
+                self._parked_event(tr, t, kind, initiator)
             return
         prev, since = tr.state, tr.since
-        if state == "PAUSING":   # who asked: on the event; an event from before it was: its wording
-            tr.pause_by = initiator or ("user" if "requested by user" in reason else "policy")
+        if state == "PAUSING":   # who asked
+            tr.pause_by = initiator or "policy"
         elif state == "PAUSED" and prev == "PAUSING":
-            mechanism, tier = _park_kind(reason)
+            mechanism, tier = _park_kind(kind, tier, mechanism)
             counts = self.preemptions if tr.pause_by == "policy" else self.user_pauses
             counts[(mechanism, tier)] = counts.get((mechanism, tier), 0) + 1
             if tier in self.park:
@@ -140,17 +134,16 @@ class EventFold:
             self.finished[state] = self.finished.get(state, 0) + 1
             del self.jobs[job_id]
 
-    def _parked_event(self, tr: _JobTrack, t: float, reason: str, initiator: Optional[str]) -> None:
+    def _parked_event(self, tr: _JobTrack, t: float, kind: Optional[str], initiator: Optional[str]) -> None:
         """An event that leaves a parked job PAUSED: a spill from RAM to disk is a tier change.
 
         It is not a new preemption (the job was already off its GPU), so it is counted in
         `spills` rather than `preemptions`; its request-to-parked time goes to the disk park
         histogram, like a direct park to disk, and the job's tier becomes disk so that its
         restart is counted as a disk resume."""
-        by = _spill_request(reason, initiator)
-        if by is not None:
-            tr.spill_asked, tr.spill_by = t, by
-        elif reason.startswith("parked to disk") and tr.tier != "disk":
+        if kind == EventKind.SPILL_REQUESTED.value:
+            tr.spill_asked, tr.spill_by = t, initiator or "policy"
+        elif kind in _TO_DISK and tr.tier != "disk":
             self.spills[tr.spill_by] = self.spills.get(tr.spill_by, 0) + 1
             self.park["disk"].observe(t - (tr.spill_asked if tr.spill_asked is not None else tr.since))
             tr.tier, tr.spill_asked = "disk", None

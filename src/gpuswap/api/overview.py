@@ -25,7 +25,7 @@ def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dic
     mine = who.may_act_on(j.uid)
     return {
         "id": j.id, "name": j.name if mine else "", "user": j.user, "mine": mine,
-        "state": j.state.value, "priority": Priority(j.priority).label, "preemptible": j.preemptible,
+        "state": j.state.value, "ended": j.state.terminal, "priority": Priority(j.priority).label, "preemptible": j.preemptible,
         "gpus": j.gpus, "assigned_gpus": j.assigned or j.home_gpus, "tier": j.parked,
         "mechanism": j.mechanism if j.parked else None,
         "parked_bytes": j.parked_bytes, "device_bytes": j.device_bytes or j.mem_bytes,

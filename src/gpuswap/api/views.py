@@ -107,6 +107,7 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         "name": j.name,
         "user": j.user,
         "state": j.state.value,
+        "ended": j.state.terminal,
         "priority": Priority(j.priority).label,
         "preemptible": j.preemptible,
         "gpus": j.gpus,
@@ -141,7 +142,8 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         **wait_fields(wait),
     }
     if events is not None:
-        out["events"] = [{"time": e.time, "state": e.state, "reason": e.reason} for e in events]
+        out["events"] = [{"time": e.time, "state": e.state, "reason": e.reason, "kind": e.kind, "tier": e.tier,
+                          "mechanism": e.mechanism, "initiator": e.initiator} for e in events]
     if log_path is not None:
         out["log"] = log_path
     return out

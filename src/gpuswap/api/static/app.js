@@ -118,8 +118,14 @@ function residueText(j) {
   return (j.residue || []).map((r) => `; ${size(r.bytes)} stays on GPU ${r.gpu}`).join("");
 }
 
+// What an event records, from its fields (never its sentence): " · parked_ram, ram, cooperative, by user".
+function eventFacts(e) {
+  const facts = [e.kind, e.tier, e.mechanism, e.initiator && `by ${e.initiator}`].filter(Boolean);
+  return facts.length ? h("span", { class: "muted event-facts" }, ` · ${facts.join(", ")}`) : null;
+}
+
 function actionButtons(j) {
-  if (!j.mine || ["COMPLETED", "FAILED", "CANCELLED"].includes(j.state)) return [];
+  if (!j.mine || j.ended) return [];
   const button = (action, label) => h("button", { "data-action": action, "data-id": j.id }, label);
   const b = [];
   if (j.state === "RUNNING" && !j.held) b.push(button("pause", "Pause"));
@@ -172,7 +178,7 @@ function renderOverview(o) {
          h("span", { class: "muted" }, j.pending_reason_text)]
       : h("span", { class: "muted" }, j.reason);
     const name = j.mine ? h("a", { href: `#/job/${Number(j.id)}` }, j.name) : h("span", { class: "muted" }, "(other user)");
-    const fin = ["COMPLETED", "FAILED", "CANCELLED"].includes(j.state);
+    const fin = j.ended;
     return h("tr", { "data-job-id": j.id, class: fin ? "finished" : "" },
       h("td", {}, j.id), h("td", {}, name), h("td", { class: "owner" }, j.user), h("td", {}, j.priority),
       stateSpan(j.state, j.held ? " (held)" : "", "td"), h("td", { class: "where" }, where(j)),
@@ -220,8 +226,8 @@ async function renderJob(id) {
     ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["command", j.argv.join(" ")]];
   $("#job-facts").replaceChildren(...facts.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
   $("#job-events").replaceChildren(...(j.events || []).map((e) =>
-    h("li", {}, h("span", { class: "muted" }, new Date(e.time * 1000).toLocaleTimeString()), " ",
-      stateSpan(e.state), " ", e.reason)));
+    h("li", { "data-kind": e.kind }, h("span", { class: "muted" }, new Date(e.time * 1000).toLocaleTimeString()), " ",
+      stateSpan(e.state), " ", e.reason, eventFacts(e))));
   const pre = $("#job-log");
   const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
   pre.textContent = log || "(no output yet)";
