@@ -3,7 +3,6 @@ and read back the same, a newer one is refused untouched, concurrent openers mig
 step appended later runs. The saved databases are in tests/data/statedb (README.md there)."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os

@@ -17,6 +17,7 @@ from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_h
 from gpuswap.api.overview import gpu_used, kept_on
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
+from gpuswap import lifecycle
 from gpuswap.lifecycle import EventKind as K, NewEvent
 from gpuswap.node.controller import Controller
 from gpuswap.node.freezer import deferred_pause_text
@@ -148,7 +149,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     @app.post("/v1/jobs/{job_id}/cancel", responses=errors(e404=NO_JOB, e409="the job already ended"))
     def cancel(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
         job = own_job(job_id, who)
-        if job.state.terminal:
+        if not lifecycle.may_cancel(job.state):
             raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
         if not job.cancel_requested:
             store.update(job_id, time.time(), cancel_requested=True, hold=False,
@@ -167,7 +168,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         job = own_job(job_id, who)
         if req.to not in ("ram", "disk"):
             raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
-        if job.state not in (JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING):
+        if not lifecycle.may_pause(job.state):
             raise HTTPException(409, f"job {job_id} is {job.state.value}; only a started job can be paused")
         if job.no_runtime:
             raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
@@ -200,7 +201,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         """Drop the user's hold. A job no user holds (running, or paused by the scheduler) is left as it
         is: 200 with `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
         job = own_job(job_id, who)
-        if job.state.terminal or job.state == JobState.PENDING:
+        if not lifecycle.may_resume(job.state):
             raise HTTPException(409, f"job {job_id} is {job.state.value}; only a paused job can be resumed")
         if not job.hold:   # nothing of the user's to undo: say so rather than succeed silently
             done = (f"job {job_id} is already {job.state.value.lower()}; nothing to resume"

@@ -16,6 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from gpuswap import lifecycle
+from gpuswap.jobs import JobState
+from gpuswap.lifecycle import EventKind as K
 from gpuswap.policy import decide, decay_usage
 from gpuswap.policy.capability import park_s, parkability, resume_s
 from gpuswap.policy.model import (GpuView, JobView, Pause, Phase, PolicyConfig, Resume, Snapshot,
@@ -24,6 +27,11 @@ from gpuswap.sim.costmodel import CostModel, parse_cost_model
 from gpuswap.sim.trace import TraceJob
 
 _ARRIVE, _FINISH, _PARKED, _RESTORED, _WAKE = range(5)
+# Each decision is the event of this kind in the lifecycle table (gpuswap/lifecycle.py): it fits a
+# job whose phase has that edge, as in the daemon.
+_DECISION_KIND = {Start: K.STARTED, Pause: K.PARK_STARTED, Resume: K.RESUME_STARTED, Spill: K.SPILL_REQUESTED}
+_STATE = {p: JobState(p.value) for p in Phase}
+_PHASE = {JobState(p.value): p for p in Phase}
 
 
 class SimError(RuntimeError):
@@ -173,7 +181,14 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, job, job.token if job else 0))
 
-    def _set_phase(self, j: SimJob, phase: Phase) -> None:
+    def _set_phase(self, j: SimJob, phase: Phase, kind: K, new: bool = False) -> None:
+        """Move `j` (`new`: just arrived) by an event of `kind`, which the lifecycle table must allow."""
+        try:
+            to = lifecycle.target(None if new else _STATE[j.phase], kind)
+        except lifecycle.IllegalTransition as e:
+            raise SimError(f"t={self.now}: job {j.spec.id}: {e}") from None
+        if _PHASE.get(to) is not phase:
+            raise SimError(f"t={self.now}: job {j.spec.id}: {kind.value} leads to {to.value}, not {phase.value}")
         j.phase, j.phase_since = phase, self.now
         self.dirty.add(j.spec.id)
         if phase in (Phase.PENDING, Phase.PAUSED):
@@ -197,8 +212,8 @@ class Simulator:
             del self.owner[g]
         j.assigned = ()
 
-    def _begin_run(self, j: SimJob) -> None:
-        self._set_phase(j, Phase.RUNNING)
+    def _begin_run(self, j: SimJob, kind: K) -> None:
+        self._set_phase(j, Phase.RUNNING, kind)
         j.last_start = j.run_since = self.now
         if j.first_start is None:
             j.first_start = self.now
@@ -243,13 +258,13 @@ class Simulator:
             if j is None:
                 raise SimError(f"t={self.now}: decision for unknown or finished job {d.job_id}")
             if isinstance(d, Start):
-                self._expect(j, Phase.PENDING, d)
+                self._expect(j, d)
                 self._hold(j, d.gpus)
-                self._begin_run(j)
+                self._begin_run(j, K.STARTED)
             elif isinstance(d, Pause):
-                self._expect(j, Phase.RUNNING, d)
+                self._expect(j, d)
                 self._stop_run(j)
-                self._set_phase(j, Phase.PAUSING)
+                self._set_phase(j, Phase.PAUSING, K.PARK_STARTED)
                 nbytes = j.spec.mem * j.spec.gpus
                 cost = park_s(self.model.costs, nbytes, d.tier, j.spec.gpus)
                 j.parked, j.parked_bytes, j.node = d.tier, nbytes, self.node_of[j.assigned[0]]
@@ -258,25 +273,25 @@ class Simulator:
                 self.switch_gpu_s += cost * j.spec.gpus
                 self._push(self.now + cost, _PARKED, j)
             elif isinstance(d, Resume):
-                self._expect(j, Phase.PAUSED, d)
+                self._expect(j, d)
                 if j.parked == "ram" and self.node_of.get(d.gpus[0] if d.gpus else -1) != j.node:
                     raise SimError(f"t={self.now}: RAM-parked job {j.spec.id} resumed off its node {j.node}")
                 self._hold(j, d.gpus)
-                self._set_phase(j, Phase.RESUMING)
+                self._set_phase(j, Phase.RESUMING, K.RESUME_STARTED)
                 cost = resume_s(self.model.costs, j.parked_bytes, j.parked or "disk", j.spec.gpus)
                 j.switch_s += cost
                 self.switch_gpu_s += cost * j.spec.gpus
                 self._push(self.now + cost, _RESTORED, j)
             elif isinstance(d, Spill):
-                self._expect(j, Phase.PAUSED, d)
+                self._expect(j, d)
                 j.parked = "disk"                   # host-side copy: costs no GPU time
                 self.dirty.add(j.spec.id)
                 spilled = True
         self.max_waiting = max(self.max_waiting, len(self.waiting))
         return spilled
 
-    def _expect(self, j: SimJob, phase: Phase, d) -> None:
-        if j.phase != phase:
+    def _expect(self, j: SimJob, d) -> None:
+        if not lifecycle.allows(_STATE[j.phase], _DECISION_KIND[type(d)]):
             raise SimError(f"t={self.now}: {type(d).__name__} for job {j.spec.id} in phase {j.phase.value}")
 
     def _handle(self, kind: int, j: Optional[SimJob], token: int) -> bool:
@@ -290,7 +305,7 @@ class Simulator:
         """
         if kind == _ARRIVE:
             self.live[j.spec.id] = j
-            self._set_phase(j, Phase.PENDING)
+            self._set_phase(j, Phase.PENDING, K.SUBMITTED, new=True)
         elif kind == _FINISH:
             if token != j.token:
                 return False                 # stale: the job was paused since
@@ -306,10 +321,11 @@ class Simulator:
             self.dirty.discard(j.spec.id)
         elif kind == _PARKED:
             self._release(j)
-            self._set_phase(j, Phase.PAUSED)
+            self._set_phase(j, Phase.PAUSED, K.PARKED_RAM if j.parked == "ram" else K.PARKED_DISK)
         elif kind == _RESTORED:
+            kind = K.RESUMED_RAM if j.parked == "ram" else K.RESTARTED_DISK
             j.parked, j.parked_bytes = None, 0
-            self._begin_run(j)
+            self._begin_run(j, kind)
             return False                     # frees nothing: see the docstring
         return True
 
