@@ -82,6 +82,11 @@ EDGES: tuple[Edge, ...] = (
     Edge(R, K.PARK_STARTED, PG),
     Edge(PG, K.PARKED_RAM, PD),
     Edge(PG, K.PARKED_DISK, PD),
+    # The runtime's checkpoint to disk can complete after the daemon stopped asking for it: a park it
+    # gave up on (cannot_park or park_failed raced the runtime's last safepoint), or a spill that a
+    # resume overtook. The checkpoint is written and the process has exited 75: the job is parked on
+    # disk and requeued, as node/observe.py has always recorded it.
+    *_each((R, RS), K.PARKED_DISK, PD, "a checkpoint to disk that completed after its request was dropped"),
     Edge(PG, K.FROZEN, PD),
     Edge(PG, K.SIGSTOPPED, PD),
     Edge(PG, K.PARK_FAILED, R),
