@@ -153,12 +153,13 @@ class Controller:
         """Read what is (the supervisor's status, and what NVML or /proc must add), let
         node/observe.py decide what that changes, and apply it; then the freezer's driver steps."""
         obs = self.launcher.observe(job.id, job.generation) if observe.reads_status(job) else None
+        status = (obs.status or {}) if obs is not None else {}
+        pid = status.get("job_pid")
         facts = observe.Facts(obs)
         if obs is not None and observe.wants_residue(job, obs):
             facts = observe.Facts(obs, residue=residue.measure(obs.job_pid, self.gpus, job.assigned))
-        elif obs is not None and obs.exit is None and not obs.alive and isinstance(pid := (obs.status or {}).get(
-                "job_pid"), int) and pid > 1:
-            status = obs.status or {}
+        elif obs is not None and obs.exit is None and not obs.alive and isinstance(pid, int) and pid > 1:
+            # Its supervisor is gone: what is left of the job's processes (killed if any, observe.py).
             facts = observe.Facts(obs, orphans=sessions.alive(pid, status.get("job_start_ticks"),
                                                              messages.rank_pids(status.get("rank_pids"))))
         verdict = observe.decide(job, facts, now, self.rules)
