@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 
+from gpuswap.protocol import env
 from gpuswap.runtime import channel
 
 MARK_STEP = 4242
@@ -39,7 +40,7 @@ HOSTILE: list[bytes] = [
 
 
 def main(out: str) -> None:
-    addr = channel.socket_address(os.environ[channel.ENV_CONTROL])
+    addr = channel.socket_address(os.environ[env.CONTROL])
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(addr)
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": 1 << 30}))

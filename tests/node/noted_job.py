@@ -11,6 +11,7 @@ import socket
 import sys
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
+from gpuswap.protocol import env
 from gpuswap.runtime import channel
 
 NOTE = "RAM park refused: a CUDA graph or private memory pool holds device memory (test)"
@@ -18,7 +19,7 @@ NOTE = "RAM park refused: a CUDA graph or private memory pool holds device memor
 
 def main() -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(channel.socket_address(os.environ[channel.ENV_CONTROL]))
+    s.connect(channel.socket_address(os.environ[env.CONTROL]))
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": 1 << 20}))
     for line in channel.read_lines(s):
         if json.loads(line or b"{}").get("op") == "pause":

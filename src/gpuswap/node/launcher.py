@@ -32,8 +32,7 @@ from typing import Any, Optional
 
 from gpuswap.fsutil import atomic_write_json, make_dir, make_file, read_json
 from gpuswap.node import messages
-from gpuswap import simcuda
-from gpuswap.runtime import channel
+from gpuswap.protocol.env import JobEnv
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
@@ -103,16 +102,10 @@ class Launcher:
         make_dir(ckpt, 0o700, *owner)
         log = self.log_path(job.id)
         make_file(log, 0o600, *owner)
-        extra_env = {
-            "CUDA_VISIBLE_DEVICES": gpu_env,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            channel.ENV_JOB_ID: str(job.id),
-            channel.ENV_CONTROL: self.control_address(job.id, generation),
-            channel.ENV_CKPT_DIR: str(ckpt),
-        }
-        if self.simulated:
-            extra_env[channel.ENV_SIMULATED] = "1"
-            extra_env[simcuda.ENV_DIR] = str(self.home / "simulated-driver")   # daemon.sim_device_dir
+        given = JobEnv(job_id=str(job.id), control=self.control_address(job.id, generation), ckpt_dir=str(ckpt),
+                       simulated=self.simulated,   # then the simulated driver's directory: daemon.sim_device_dir
+                       sim_cuda_dir=str(self.home / "simulated-driver") if self.simulated else None)
+        extra_env = {"CUDA_VISIBLE_DEVICES": gpu_env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", **given.to_env()}
         groups = _supplementary_groups(job.uid, job.gid)
         if not (run / "desired.json").exists():     # a respawn keeps what the daemon asked since
             atomic_write_json(run / "desired.json", desired)

@@ -43,11 +43,6 @@ import os
 import socket
 from typing import Any, Iterator, Optional
 
-ENV_JOB_ID = "GPUSWAP_JOB_ID"
-ENV_CONTROL = "GPUSWAP_CONTROL"          # control socket path
-ENV_CKPT_DIR = "GPUSWAP_CKPT_DIR"        # where disk checkpoints of this job live
-ENV_SIMULATED = "GPUSWAP_SIMULATED_GPU"  # "1": no real GPU; attached CPU tensors stand for device memory
-
 MAX_LINE = 1 << 20
 
 

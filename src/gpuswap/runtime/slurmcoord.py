@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from gpuswap.peercred import peer
+from gpuswap.protocol.env import SLURM_PAUSE_TIMEOUT_S
 from gpuswap.runtime import channel
 
-ENV_TIMEOUT = "GPUSWAP_SLURM_PAUSE_TIMEOUT_S"   # a phase of the agreement that takes longer ends it
 DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.5
 
@@ -66,11 +66,11 @@ def private_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 def timeout_s(env: Mapping[str, str] = os.environ) -> float:
     try:
-        value = float(env.get(ENV_TIMEOUT, "") or DEFAULT_TIMEOUT_S)
+        value = float(env.get(SLURM_PAUSE_TIMEOUT_S, "") or DEFAULT_TIMEOUT_S)
     except ValueError:
         value = -1.0
     if not 1.0 <= value <= 86400.0:
-        print(f"gpuswap: ignoring {ENV_TIMEOUT}={env.get(ENV_TIMEOUT)!r}: not 1..86400 s; "
+        print(f"gpuswap: ignoring {SLURM_PAUSE_TIMEOUT_S}={env.get(SLURM_PAUSE_TIMEOUT_S)!r}: not 1..86400 s; "
               f"using {DEFAULT_TIMEOUT_S:g}", file=sys.stderr, flush=True)
         return DEFAULT_TIMEOUT_S
     return value
