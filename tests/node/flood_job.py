@@ -9,8 +9,7 @@ import socket
 import sys
 import time
 
-from gpuswap.protocol import env
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 LAST_STEP = 777_777
 

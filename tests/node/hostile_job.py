@@ -14,8 +14,7 @@ import socket
 import sys
 import time
 
-from gpuswap.protocol import env
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 MARK_STEP = 4242
 HUGE = str(10**30)

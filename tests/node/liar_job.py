@@ -8,8 +8,7 @@ import json
 import os
 import socket
 
-from gpuswap.protocol import env
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 LIE_BYTES = 8 << 30
 LIE_SECONDS = 1e-6

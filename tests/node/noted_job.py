@@ -11,8 +11,7 @@ import socket
 import sys
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
-from gpuswap.protocol import env
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 NOTE = "RAM park refused: a CUDA graph or private memory pool holds device memory (test)"
 

@@ -26,6 +26,7 @@ from gpuswap.node.observe import Observer
 from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
+from gpuswap.protocol.rundir import Desired
 
 log = logging.getLogger("gpuswap.controller")
 
@@ -318,7 +319,7 @@ class Controller:
 
     def _launch(self, job: JobRecord, generation: int, gpus: tuple[int, ...] | list[int]) -> None:
         self.launcher.launch(job, self.store.env(job.id), generation, self.gpus.visible_devices(list(gpus)),
-                             {"run": "running"})
+                             Desired(run="running"))
 
     def _push_desired(self, job: JobRecord) -> None:
         if job.generation == 0 or (job.state == JobState.PAUSED and job.parked == "disk"):
@@ -326,10 +327,9 @@ class Controller:
         if job.state in ACTIVE and not self.launcher.spawned(job.id, job.generation):
             # The daemon died between recording a start and spawning it: spawn now (idempotent).
             self._launch(job, job.generation, job.assigned)
-        self.launcher.set_desired(job.id, job.generation, {
-            "run": job.desired, "tier": job.desired_tier, "sigstop": job.stopped,
-            "cancel": job.cancel_requested, "max_bytes": job.ram_allowance,
-        })
+        self.launcher.set_desired(job.id, job.generation, Desired(
+            run=job.desired, tier=job.desired_tier, sigstop=job.stopped,
+            cancel=job.cancel_requested, max_bytes=job.ram_allowance))
 
 
 def _gpus(gpus: tuple[int, ...] | list[int]) -> str:

@@ -18,8 +18,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from gpuswap.node import messages, sessions
-from gpuswap.runtime import channel
+from gpuswap.node import sessions
+from gpuswap.protocol import channel, messages
+from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
 
 
@@ -85,16 +86,15 @@ class RankTable:
     def poll(self, now: float) -> None:
         self.route(self.coord.poll(now))
 
-    def want(self, desired: dict[str, Any], now: float) -> None:
+    def want(self, desired: Desired, now: float) -> None:
         """The daemon's desired.json, given to the coordinator when it changed (the coordinator
         withdraws a failed attempt and waits to be asked again: a repeated `want` would loop)."""
-        run, tier, cap = desired.get("run"), desired.get("tier"), desired.get("max_bytes")
-        key = (run, tier, cap if isinstance(cap, int) else None)
+        key = (desired.run, desired.tier, desired.max_bytes)
         if key == self._wanted:
             return
         self._wanted = key
-        if run == "paused" and tier in ("ram", "disk"):
-            self.route(self.coord.want("paused", tier, now, max_bytes=key[2]))
+        if desired.pause_tier is not None:
+            self.route(self.coord.want("paused", desired.pause_tier, now, max_bytes=desired.max_bytes))
         else:
             self.route(self.coord.want("running", None, now))
 

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from gpuswap.protocol import env as envvars
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel
 
 USAGE_INTERVAL_S = 2.0
 USAGE_INTERVAL_MIN_S, USAGE_INTERVAL_MAX_S = 0.001, 3600.0

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from gpuswap.peercred import peer
+from gpuswap.protocol import channel
 from gpuswap.protocol.env import SLURM_PAUSE_TIMEOUT_S
-from gpuswap.runtime import channel
+from gpuswap.protocol.rundir import Desired
 
 DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.5
@@ -137,7 +138,7 @@ class CoordServer:
                 return None
             told = coord.error_at
             self.table._wanted = None     # a new signal is a new request, even after a withdrawn one
-            self.table.want({"run": "paused", "tier": "disk"}, time.time())
+            self.table.want(Desired(run="paused", tier="disk"), time.time())
             if coord.phase == "running" and coord.error_at != told:
                 return coord.error      # refused (RankTable said why)
             waiting = coord.pausable() if coord.phase == "running" else None
@@ -168,7 +169,7 @@ class CoordServer:
             threading.Thread(target=self._read, args=(conn, pid), daemon=True, name="gpuswap-coord-rank").start()
 
     def _read(self, conn: socket.socket, pid: int) -> None:
-        from gpuswap.node import messages
+        from gpuswap.protocol import messages
 
         try:
             for line in channel.read_lines(conn, messages.MAX_LINE):
