@@ -8,7 +8,7 @@ import socket
 
 from gpuswap.node.ranks import RankTable
 from gpuswap.protocol import messages
-from gpuswap.protocol.facts import runtime_facts
+from gpuswap.protocol.status import runtime_facts
 from gpuswap.protocol.rundir import Desired
 
 

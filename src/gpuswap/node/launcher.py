@@ -34,7 +34,7 @@ from typing import Any, Optional
 from gpuswap.fsutil import make_dir, make_file, read_json
 from gpuswap.protocol import rundir
 from gpuswap.protocol.env import JobEnv
-from gpuswap.protocol.facts import ExitFacts, RuntimeFacts, SupervisorReport
+from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
 from gpuswap.protocol.rundir import Desired, Spawned, Spec
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
@@ -51,7 +51,7 @@ class Observation:
     spawned_at: Optional[float]        # when the daemon spawned this generation's supervisor
 
     # The status file's values reach SQLite: read them only through these, which validate
-    # (protocol/facts.py); the runtime facts came from the job.
+    # (protocol/status.py); the runtime facts came from the job.
     @cached_property
     def report(self) -> SupervisorReport:
         return SupervisorReport.parse(self.status)

@@ -9,7 +9,7 @@ Run directory (made by the daemon before spawning us; protocol/rundir.py has its
   spec.json     what to run: argv, cwd, env, uid/gid, log path, control address (`Spec`)
   desired.json  what the daemon wants now: run, tier, sigstop, cancel, max_bytes (`Desired`)
   status.json   what is (written by us, atomically, on every change; the daemon reads it back
-                through protocol/facts.py)
+                through protocol/status.py)
   lock          flock held for our whole life: the daemon's liveness check, immune to PID reuse
   spawned.json  written by the daemon once we exist (launcher.py: a lost spawn is redone)
   control       the job's control socket (ours to bind; the job owner's file, mode 0600)
@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from gpuswap import peercred
 from gpuswap.exitcodes import EX_USAGE
@@ -40,6 +40,7 @@ from gpuswap.node import execshim, sessions
 from gpuswap.node.ranks import RankTable
 from gpuswap.protocol import channel, messages, rundir
 from gpuswap.protocol.rundir import Desired, Spec
+from gpuswap.protocol.status import ExitFacts, SupervisorStatus
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
@@ -64,16 +65,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.spec: Spec = rundir.read_spec(run_dir)
         self.lock = threading.RLock()
-        self.status: dict[str, Any] = {
-            "job_id": self.spec.job_id,
-            "generation": self.spec.generation,
-            "supervisor_pid": os.getpid(),
-            "job_pid": None,
-            "started_at": time.time(),
-            "runtime": {"connected": False, "attached": False, "state": None},
-            "stopped": False,
-            "exit": None,
-        }
+        self.status = SupervisorStatus(job_id=self.spec.job_id, generation=self.spec.generation,
+                                       supervisor_pid=os.getpid(), started_at=time.time())
         self.conn: Optional[socket.socket] = None
         self.sent: Optional[tuple[str, Optional[str]]] = None   # last request sent to the runtime
         self.child: Optional[subprocess.Popen] = None
@@ -97,7 +90,7 @@ class Supervisor:
         (the old file stays whole, and no temp file is left: fsutil)."""
         with self.lock:
             try:
-                atomic_write_json(self.run_dir / rundir.STATUS, self.status)
+                atomic_write_json(self.run_dir / rundir.STATUS, self.status.to_json())
             except OSError as e:
                 if not self._write_failed:
                     self.log(f"cannot write status.json ({e.strerror or e}); retrying")
@@ -150,8 +143,8 @@ class Supervisor:
             os.close(st_w)
         # Its pid is durable before the user's program can run (the shim waits for the config).
         with self.lock:
-            self.status["job_pid"] = self.child.pid
-            self.status["job_start_ticks"] = sessions.start_ticks(self.child.pid)
+            self.status.job_pid = self.child.pid
+            self.status.job_start_ticks = sessions.start_ticks(self.child.pid)
         self.write_status()
         try:
             with open(cfg_w, "wb") as w:
@@ -180,7 +173,7 @@ class Supervisor:
         with open(self.spec.log_path, "ab") as out:
             out.write(f"[gpuswap] {reason}\n".encode())
         with self.lock:
-            self.status["exit"] = {"code": None, "signal": None, "error": reason, "time": time.time()}
+            self.status.exit = ExitFacts(code=None, signal=None, error=reason, time=time.time())
         self.write_status()
         return False
 
@@ -234,7 +227,7 @@ class Supervisor:
                 except messages.BadMessage as e:
                     bad += 1
                     with self.lock:
-                        rt = self.status["runtime"]
+                        rt = self.status.runtime
                         rt["rejected"] = rt.get("rejected", 0) + 1
                         # Folded into the next write, like a usage report: a rejection counted after
                         # the last write would otherwise never reach status.json.
@@ -253,7 +246,7 @@ class Supervisor:
         with self.lock:
             if self.conn is conn:
                 self.conn = None
-                self.status["runtime"]["connected"] = False
+                self.status.runtime["connected"] = False
             if self.ranks is not None:
                 self.ranks.lost(conn, time.time())
                 self._rank_facts()
@@ -270,7 +263,7 @@ class Supervisor:
         if self.ranks is not None or (isinstance(msg, messages.Hello) and (msg.world_size or 1) > 1):
             return self._on_rank_message(conn, msg, peer_pid)
         with self.lock:
-            rt = self.status["runtime"]
+            rt = self.status.runtime
             if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
                 self.conn = conn
                 self.sent = None
@@ -332,7 +325,7 @@ class Supervisor:
                 if not self._write_due():
                     return True
             elif isinstance(msg, messages.RestoreFailed):
-                self.status["runtime"]["restore_failed"] = msg.message
+                self.status.runtime["restore_failed"] = msg.message
             else:
                 self.ranks.receive(conn, msg, now)
             self._rank_facts()
@@ -343,13 +336,13 @@ class Supervisor:
         """status.json from the coordinator (under the lock): the job's facts, and the ranks'
         processes, which the daemon kills if this supervisor dies."""
         assert self.ranks is not None
-        old = self.status["runtime"]
+        old = self.status.runtime
         rt = self.ranks.facts()
         for keep in ("rejected", "restore_failed"):
             if keep in old:
                 rt[keep] = old[keep]
-        self.status["runtime"] = rt
-        self.status["rank_pids"] = self.ranks.pid_records()
+        self.status.runtime = rt
+        self.status.rank_pids = self.ranks.pid_records()
 
     def _ranks_verdict(self) -> Optional[str]:
         """Why a multi-rank job's end is a failure whatever its exit code: the coordinator ended
@@ -418,7 +411,7 @@ class Supervisor:
         d = self.desired
         changed = False
         with self.lock:
-            if self.child is None or self.status["exit"] is not None:
+            if self.child is None or self.status.exit is not None:
                 return
             if d.cancel:
                 if self.term_sent_at is None:
@@ -430,10 +423,10 @@ class Supervisor:
                     self.signal_group(signal.SIGKILL)
                 return
             want_stop = d.sigstop
-            if want_stop != self.status["stopped"]:
+            if want_stop != self.status.stopped:
                 self.signal_group(signal.SIGSTOP if want_stop else signal.SIGCONT)
                 self.log(f"{'SIGSTOP' if want_stop else 'SIGCONT'} sent to the job's process group")
-                self.status["stopped"] = want_stop
+                self.status.stopped = want_stop
                 changed = True
             if self.ranks is not None:    # the coordinator answers the daemon for every rank
                 now = time.time()
@@ -449,7 +442,7 @@ class Supervisor:
                 self.write_status()
             return
         with self.lock:
-            rt = self.status["runtime"]
+            rt = self.status.runtime
             state = rt.get("state")
             request: Optional[tuple[str, Optional[str]]] = None
             if d.pause_tier is not None:
@@ -498,7 +491,7 @@ class Supervisor:
         ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
         # Until none is left, in its session or among its ranks (torchrun's workers lead sessions of
         # their own): its GPUs are free only then.
-        while sessions.kill(pid, self.status.get("job_start_ticks")) + self._kill_rank_processes():
+        while sessions.kill(pid, self.status.job_start_ticks) + self._kill_rank_processes():
             time.sleep(POLL_S)
         rc = self.child.wait()
         sig = -rc if rc < 0 else None
@@ -508,9 +501,8 @@ class Supervisor:
                 f"signal {sig}" if sig else f"code {rc}"
             error = f"{ended} (main process: {how})"
         with self.lock:
-            self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": error,
-                                   "time": time.time()}
-            self.status["runtime"]["connected"] = False
+            self.status.exit = ExitFacts(code=128 + sig if sig else rc, signal=sig, error=error, time=time.time())
+            self.status.runtime["connected"] = False
         while not self.write_status():   # the exit status must land; wait for room on the disk
             time.sleep(1.0)
         return 0

@@ -4,7 +4,7 @@ Everything on the control socket comes from the job, and the supervisor (root) c
 `status.json`, which the daemon folds into SQLite. An unbounded integer there (SQLite INTEGER is
 64-bit) once made every controller tick fail for every user. So each control message is validated
 here where it is received (`parse`), and the runtime facts are validated again, with the same
-bounds, where the daemon reads them back (facts.py): a supervisor of an older version, still
+bounds, where the daemon reads them back (status.py): a supervisor of an older version, still
 running across an upgrade, may have written anything. A value that fails costs its job (ignored),
 never the loop. The framing (one JSON object per line) is channel.py's.
 """

@@ -4,8 +4,8 @@ supervisor pass through them.
   spec.json      daemon -> supervisor: what to run (`Spec`), written once before the spawn
   desired.json   daemon -> supervisor: what the daemon wants now (`Desired`), rewritten on change
   spawned.json   the daemon's mark that the supervisor process exists (`Spawned`)
-  status.json    supervisor -> daemon: what is (written by node/supervisor.py; read back through
-                 facts.py's `SupervisorReport`, which validates every field)
+  status.json    supervisor -> daemon: what is (status.py: node/supervisor.py writes its
+                 `SupervisorStatus`, the daemon reads a `SupervisorReport`, every field validated)
   lock           flocked by the supervisor for its whole life: the daemon's liveness check
   control        the job's control socket (channel.py), the job owner's
   supervisor.log, supervisor.err   the supervisor's own lines, and its stderr

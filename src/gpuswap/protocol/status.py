@@ -1,14 +1,14 @@
-"""`status.json` as the daemon reads it back: typed records, each field validated again.
+"""`status.json`: what the supervisor writes (`SupervisorStatus`) and what the daemon reads back
+(`SupervisorReport`, with `RuntimeFacts` and `ExitFacts`), each field validated again.
 
-The supervisor writes the file (rundir.py names it); what it holds under `runtime` came from the
-job, and a supervisor of an older version, still running across an upgrade, may have written
-anything there. So every field is checked with the bounds of the gate (messages.py) and one that
-is absent or fails is None (or its empty value): a hostile or garbled field costs that field, never
-the record, the job or the controller's loop.
+What it holds under `runtime` came from the job, and a supervisor of an older version, still
+running across an upgrade, may have written anything there. So every field is checked with the
+bounds of the gate (messages.py) and one that is absent or fails is None (or its empty value): a
+hostile or garbled field costs that field, never the record, the job or the controller's loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, WrapValidator
@@ -147,6 +147,30 @@ class SupervisorReport:
                    job_start_ticks=start_ticks_or_none(raw.get("job_start_ticks")),
                    stopped=raw.get("stopped") is True, exit=exit_facts(raw.get("exit")),
                    runtime=runtime_facts(raw.get("runtime")), rank_pids=tuple(rank_pids(raw.get("rank_pids"))))
+
+
+@dataclass
+class SupervisorStatus:
+    """status.json as the supervisor keeps it: its live record, written whole (atomically) on every
+    change. `runtime` is the runtime's facts as they arrive (validated messages, or the multi-rank
+    coordinator's own facts, which carry more than `RuntimeFacts` reads)."""
+    job_id: int
+    generation: int
+    supervisor_pid: int
+    started_at: float
+    job_pid: Optional[int] = None
+    job_start_ticks: Optional[int] = None        # written with job_pid
+    runtime: dict[str, Any] = field(default_factory=lambda: {"connected": False, "attached": False, "state": None})
+    stopped: bool = False
+    exit: Optional[ExitFacts] = None
+    rank_pids: Optional[list[dict[str, Any]]] = None   # a multi-rank job's: {rank, pid, start_ticks}
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for late in ("job_start_ticks", "rank_pids"):   # absent until known, as always
+            if out[late] is None:
+                del out[late]
+        return out
 
 
 def _small_int(v: Any) -> bool:
