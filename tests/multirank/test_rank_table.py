@@ -1,4 +1,4 @@
-"""The supervisor's rank table (node/ranks.py) around the disk tier, without processes: ranks that
+"""The supervisor's rank table (runtime/ranktable.py) around the disk tier, without processes: ranks that
 restored different checkpoints end the job; what the daemon reads after a disk park."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 import os
 import socket
 
-from gpuswap.node.ranks import RankTable
 from gpuswap.protocol import messages
-from gpuswap.protocol.status import runtime_facts
 from gpuswap.protocol.rundir import Desired
+from gpuswap.protocol.status import runtime_facts
+from gpuswap.runtime.ranktable import RankTable
 
 
 def _table():

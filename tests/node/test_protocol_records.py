@@ -3,6 +3,7 @@ runtime write reads back the same; what an older supervisor (or a hostile job th
 status.json costs the fields that fail, never the record; the wire bytes stay what they were."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -22,7 +23,7 @@ from gpuswap.runtime.config import RuntimeConfig
 SRC = Path(gpuswap.__file__).parent
 
 # What the single-rank supervisor folds into status.json["runtime"] after a hello, a RAM park and
-# a failed spill (node/supervisor.py's on_message), and a multi-rank one's (node/ranks.py's facts).
+# a failed spill (node/supervisor.py's on_message), and a multi-rank one's (runtime/ranktable.py's facts).
 SINGLE = {"connected": True, "attached": True, "state": "paused", "tier": "ram", "pid": 4242,
           "device_bytes": 0, "bytes": 3 << 30, "step": 120, "restored_step": 100, "restored_bytes": 1 << 30,
           "restore_s": 0.5, "restore_note": "ckpt-000002 skipped: bad checksum", "pause_s": 1.25,
@@ -191,3 +192,25 @@ def test_every_environment_name_in_the_source_is_defined_in_protocol_env():
 def test_a_rank_fact_is_the_record_show_prints():
     r = RankFact(rank=1, pid=12, state="parked", device_bytes=5)
     assert runtime_facts({"ranks": [r.model_dump()]}).ranks == (r,)
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize("package, below", [
+    ("protocol", ("gpuswap.node", "gpuswap.runtime", "gpuswap.policy", "gpuswap.api", "gpuswap.cli")),
+    ("runtime", ("gpuswap.node", "gpuswap.api", "gpuswap.cli")),
+])
+def test_layers_point_down_to_the_protocol(package, below):
+    """The runtime shares what it shares with the daemon's side through the protocol (and the rank
+    table, processes.py), never by importing node/; the protocol imports neither."""
+    bad = sorted(f"{path.relative_to(SRC)}: {name}" for path in (SRC / package).rglob("*.py")
+                 for name in _imports(path) if name.startswith(below))
+    assert not bad, bad

@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from gpuswap import peercred
+from gpuswap import peercred, processes
 from gpuswap.exitcodes import EX_USAGE
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
 from gpuswap.node import execshim, sessions
-from gpuswap.node.ranks import RankTable
 from gpuswap.protocol import channel, messages, rundir
 from gpuswap.protocol.rundir import Desired, Spec
 from gpuswap.protocol.status import ExitFacts, SupervisorStatus
+from gpuswap.runtime.ranktable import RankTable
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
@@ -78,7 +78,7 @@ class Supervisor:
         self._written_at = 0.0        # monotonic time of the last status.json write
         self._write_failed = False    # said once in supervisor.log until a write succeeds again
         # A multi-rank job (its first hello says world_size > 1): the ranks' connections and the
-        # common-step coordinator (node/ranks.py); None for a single-rank job, which keeps `conn`.
+        # common-step coordinator (runtime/ranktable.py); None for a single-rank job, which keeps `conn`.
         self.ranks: Optional[RankTable] = None
         self._ended_checkpointed = False
         self.kill_reason: Optional[str] = None
@@ -144,7 +144,7 @@ class Supervisor:
         # Its pid is durable before the user's program can run (the shim waits for the config).
         with self.lock:
             self.status.job_pid = self.child.pid
-            self.status.job_start_ticks = sessions.start_ticks(self.child.pid)
+            self.status.job_start_ticks = processes.start_ticks(self.child.pid)
         self.write_status()
         try:
             with open(cfg_w, "wb") as w:

@@ -44,7 +44,7 @@ class RankFact(BaseModel):
 
 class RuntimeFacts(BaseModel):
     """status.json's `runtime`: what the job's runtime said, as the supervisor folded it (single-
-    rank: supervisor.py; multi-rank: node/ranks.py, in the same vocabulary). Absent or invalid: None."""
+    rank: supervisor.py; multi-rank: runtime/ranktable.py, in the same vocabulary). Absent or invalid: None."""
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     connected: Annotated[Optional[StrictBool], Lenient] = None     # a control connection is open

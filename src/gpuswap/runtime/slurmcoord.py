@@ -4,7 +4,7 @@ Under Slurm there is no supervisor, so whoever receives the preemption signal fi
 to stop every rank at one step: `gpuswap slurm-wrap` (the parent of torchrun) runs this server,
 or, for `srun --ntasks N` jobs, the task with rank 0 runs it on a thread. Each rank connects to
 it exactly as it connects to a supervisor (`$GPUSWAP_CONTROL`), and the same `Coordinator` runs
-over the same per-rank connection table (`node/ranks.py`); a preemption signal becomes
+over the same per-rank connection table (`ranktable.py`); a preemption signal becomes
 `want("paused", "disk")`. Once the manifest is committed, `committed` is set: the owner requeues
 the job (docs/design/multi-rank.md section 9).
 
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from gpuswap import processes
 from gpuswap.peercred import peer
 from gpuswap.protocol import channel
 from gpuswap.protocol.env import SLURM_PAUSE_TIMEOUT_S
@@ -88,7 +89,7 @@ class CoordServer:
     while the others were writing their parts, or a phase outlived the timeout."""
 
     def __init__(self, path: Path, timeout: float, on_kill: Callable[[str], None]) -> None:
-        from gpuswap.node.ranks import RankTable   # pydantic and the node side: only when coordinating
+        from gpuswap.runtime.ranktable import RankTable   # pydantic: only when coordinating
 
         self.path = path
         self.lock = threading.RLock()
@@ -149,9 +150,7 @@ class CoordServer:
         """SIGKILL every process that was a rank (torchrun's workers lead sessions of their own)."""
         with self.lock:
             procs = [p for p in self.table.processes.values() if p.pid != but]
-        from gpuswap.node import sessions
-
-        return sessions.kill_pids([(p.pid, p.start_ticks) for p in procs])
+        return processes.kill_pids([(p.pid, p.start_ticks) for p in procs])
 
     # -- threads ---------------------------------------------------------------------------------
     def _accept(self) -> None:

@@ -1,7 +1,9 @@
-"""The supervisor's side of a multi-rank job: one control connection per rank, and the coordinator.
+"""The coordinator's side of a multi-rank job: one control connection per rank, and the coordinator.
 
-The protocol is `runtime/agreement.py` (pure: facts in, `Send`/`Kill` effects out); this module is
-the socket side of it. Each connection is tied to the rank its `hello` named, and to the process
+Run by the job's supervisor (node/supervisor.py) or, under Slurm, inside the job
+(runtime/slurmcoord.py); here, below both, so the runtime never imports the daemon's side. The
+protocol is `agreement.py` (pure: facts in, `Send`/`Kill` effects out); this module is the socket
+side of it. Each connection is tied to the rank its `hello` named, and to the process
 the *kernel* says is at its other end (SO_PEERCRED pid, with its start time so a reused pid is
 never taken for it). Those processes are what the supervisor and the daemon kill when the job
 ends or cannot go on: torchrun starts each worker as a session leader of its own, outside the
@@ -18,7 +20,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from gpuswap.node import sessions
+from gpuswap import processes
 from gpuswap.protocol import channel, messages
 from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
@@ -61,7 +63,7 @@ class RankTable:
             self.conns.pop(old, None)
         self.conns[conn], self.by_rank[rank] = rank, conn
         if peer_pid is not None and peer_pid not in self.processes:
-            self.processes[peer_pid] = RankProcess(rank, peer_pid, sessions.start_ticks(peer_pid))
+            self.processes[peer_pid] = RankProcess(rank, peer_pid, processes.start_ticks(peer_pid))
         self.restored[rank] = msg
         self.route(effects)
         other = next((h for r, h in sorted(self.restored.items()) if h.restored_seq != msg.restored_seq), None)
@@ -147,7 +149,7 @@ class RankTable:
 
     def kill_all(self) -> int:
         """SIGKILL every process that was a rank and still is; how many were alive."""
-        return sessions.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()])
+        return processes.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()])
 
 
 def _seq(seq: Optional[int]) -> str:
