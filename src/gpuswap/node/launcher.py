@@ -34,8 +34,8 @@ from typing import Any, Optional
 from gpuswap.fsutil import make_dir, make_file, read_json
 from gpuswap.protocol import rundir
 from gpuswap.protocol.env import JobEnv
-from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
 from gpuswap.protocol.rundir import Desired, Spawned, Spec
+from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
