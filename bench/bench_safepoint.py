@@ -36,7 +36,7 @@ def cpu_model() -> str:
 
 def listen_and_drain(address: str) -> socket.socket:
     """A stand-in supervisor: accept connections and read (and drop) everything sent."""
-    from gpuswap.runtime.channel import socket_address
+    from gpuswap.protocol.channel import socket_address
 
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(socket_address(address))

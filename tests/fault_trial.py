@@ -60,7 +60,7 @@ payloads = [bytes.fromhex(h) for h in open(sys.argv[2]).read().split()]
 ctl = os.environ.get("GPUSWAP_CONTROL")
 held = []
 if ctl:
-    from gpuswap.runtime.channel import connect
+    from gpuswap.protocol.channel import connect
     for p in payloads:
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

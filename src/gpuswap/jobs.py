@@ -58,10 +58,6 @@ class Priority(int, enum.Enum):
 # Exit code a job's runtime uses after writing a disk checkpoint: "requeue me" (exitcodes.py).
 REQUEUE_EXIT_CODE = EX_TEMPFAIL
 
-# The daemon's state directory (socket, database, job directories): the daemon, the CLI's client
-# and the commands that start a private daemon (demo, selftest) all read this one variable.
-ENV_HOME = "GPUSWAP_HOME"
-
 MAX_SIZE = 2**50     # 1 PiB: no GPU or host memory comes near it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {

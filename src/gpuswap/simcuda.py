@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from gpuswap.fsutil import atomic_write_json
+from gpuswap.protocol.env import SIM_CUDA_DIR
 
-ENV_DIR = "GPUSWAP_SIM_CUDA_DIR"
 MAX_BYTES = 2**53
 RESIDENT = ("running", "locked")       # driver states in which a process holds device memory
 
@@ -176,9 +176,9 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
     """Become a simulated CUDA process holding `nbytes` on CUDA device `device` (an ordinal within
     CUDA_VISIBLE_DEVICES, as with cudaSetDevice). One GPU per process: a job on several GPUs runs
     one such process per GPU. `busy`: a kernel that never finishes, so a lock times out."""
-    root = os.environ.get(ENV_DIR)
+    root = os.environ.get(SIM_CUDA_DIR)
     if not root:
-        raise RuntimeError(f"{ENV_DIR} is not set: not a job on simulated GPUs")
+        raise RuntimeError(f"{SIM_CUDA_DIR} is not set: not a job on simulated GPUs")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
     reg = Registration(os.getpid(), start_ticks(os.getpid()) or 0, int(visible), int(nbytes), busy)
     path = Path(root) / "procs" / f"{reg.pid}.json"
@@ -189,7 +189,7 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
 def sync(poll_s: float = 0.02) -> None:
     """A CUDA call: blocks while the driver holds this process locked or checkpointed (as real CUDA
     calls do, cuda-checkpoint README), and for good once a failed restore left it stuck."""
-    root = os.environ.get(ENV_DIR)
+    root = os.environ.get(SIM_CUDA_DIR)
     if not root:
         return
     dev = SimDevice(Path(root))

@@ -16,7 +16,7 @@ import pytest
 
 from gpuswap.selftest import checks, jobs
 from gpuswap.selftest.results import Scenario
-from gpuswap.selftest.runner import WRONG_REFERENCE_ENV
+from gpuswap.protocol.env import SELFTEST_WRONG_REFERENCE as WRONG_REFERENCE_ENV
 
 MiB, GiB = 2**20, 2**30
 

@@ -16,13 +16,14 @@ except ModuleNotFoundError:   # Python 3.10
     import tomli as tomllib
 
 from gpuswap.node import settings
+from gpuswap.protocol import env as envvars
 from gpuswap.node.settings import ServerSettings, SettingsError, load
 
 SYSTEM_HOME = Path("/var/lib/gpuswap")
 
 
 def server(*args: str, home: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != settings.ENV_CONFIG} | {"GPUSWAP_HOME": str(home)} | (env or {})
+    env = {k: v for k, v in os.environ.items() if k != envvars.CONFIG} | {"GPUSWAP_HOME": str(home)} | (env or {})
     return subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "server", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gpuswap import simcuda
+from gpuswap.protocol.env import SIM_CUDA_DIR
 from gpuswap.runtime import rankcursor
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.objects import classify
@@ -132,7 +133,7 @@ def _layout(ddp: nn.Module) -> list[list[int]]:
 
 def main() -> None:
     torch.use_deterministic_algorithms(True)
-    dev = simcuda.SimDevice(os.environ[simcuda.ENV_DIR])
+    dev = simcuda.SimDevice(os.environ[SIM_CUDA_DIR])
     dev.prepare()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {case: run(case, dev) for case in sys.argv[1:]}

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch has no torch.distributed with gloo", allow_module_level=True)
 
-from gpuswap import simcuda  # noqa: E402
+from gpuswap.protocol.env import SIM_CUDA_DIR  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 FLOOR = 1_000_000
@@ -33,7 +33,7 @@ def test_ddp_bucket_buffers_are_freed_while_parked_and_the_run_goes_on_bitwise(t
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "RANK", "WORLD_SIZE"))}
     env.update(PYTHONPATH=f"{SRC}{os.pathsep}{env.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES="0",
                GPUSWAP_SIM_CONTEXT_BYTES=str(FLOOR))
-    env[simcuda.ENV_DIR] = str(tmp_path / "sim")
+    env[SIM_CUDA_DIR] = str(tmp_path / "sim")
     res = subprocess.run([sys.executable, str(Path(__file__).with_name("ddpreducer_job.py")), *FREED, *KEPT],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""The gate for a multi-rank job's control messages (node/messages.py) and the rank identity a
+"""The gate for a multi-rank job's control messages (protocol/messages.py) and the rank identity a
 runtime reads from its launcher's environment (runtime/ranks.py): no processes, no torch."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpuswap.node import messages
+from gpuswap.protocol import messages, status
 from gpuswap.runtime.ranks import RankIdentity, identity
 
 
@@ -65,13 +65,13 @@ def test_bad_rank_messages_are_refused(msg):
 
 
 def test_rank_facts_read_back_by_the_daemon_are_validated():
-    rt = messages.runtime_facts({"world_size": 2, "ranks": [
+    rt = status.runtime_facts({"world_size": 2, "ranks": [
         {"rank": 0, "pid": 11, "connected": True, "state": "parked", "device_bytes": 5},
         {"rank": 1, "pid": 12, "connected": False, "state": "gone"}], "not_pausable": "1 of 2 ranks attached"})
-    assert [r["state"] for r in rt["ranks"]] == ["parked", "gone"] and rt["not_pausable"] == "1 of 2 ranks attached"
-    assert "ranks" not in messages.runtime_facts({"ranks": [{"rank": 0, "device_bytes": 2**60}]})
-    assert "world_size" not in messages.runtime_facts({"world_size": 5000})
-    assert messages.rank_pids([{"pid": 5, "start_ticks": 9}, {"pid": "x"}, {"pid": 2**40}, 7]) == [(5, 9)]
+    assert [r.state for r in rt.ranks] == ["parked", "gone"] and rt.not_pausable == "1 of 2 ranks attached"
+    assert status.runtime_facts({"ranks": [{"rank": 0, "device_bytes": 2**60}]}).ranks is None
+    assert status.runtime_facts({"world_size": 5000}).world_size is None
+    assert status.rank_pids([{"pid": 5, "start_ticks": 9}, {"pid": "x"}, {"pid": 2**40}, 7]) == [(5, 9)]
 
 
 @pytest.mark.parametrize("env, want", [

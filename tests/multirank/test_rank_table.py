@@ -1,4 +1,4 @@
-"""The supervisor's rank table (node/ranks.py) around the disk tier, without processes: ranks that
+"""The supervisor's rank table (runtime/ranktable.py) around the disk tier, without processes: ranks that
 restored different checkpoints end the job; what the daemon reads after a disk park."""
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import json
 import os
 import socket
 
-from gpuswap.node import messages
-from gpuswap.node.ranks import RankTable
+from gpuswap.protocol import messages
+from gpuswap.protocol.rundir import Desired
+from gpuswap.protocol.status import runtime_facts
+from gpuswap.runtime.ranktable import RankTable
 
 
 def _table():
@@ -38,8 +40,8 @@ def test_the_same_checkpoint_everywhere_is_what_the_daemon_reads():
     _, s0 = _hello(t, 0, restored_seq=4, restored_step=39, restored_bytes=100, restore_s=0.5)
     _, s1 = _hello(t, 1, restored_seq=4, restored_step=39, restored_bytes=100, restore_s=0.75)
     assert not kills
-    f = messages.runtime_facts(t.facts())
-    assert (f["restored_step"], f["restored_bytes"], f["restore_s"], f["restored_seq"]) == (39, 100, 0.75, 4)
+    f = runtime_facts(t.facts())
+    assert (f.restored_step, f.restored_bytes, f.restore_s, f.restored_seq) == (39, 100, 0.75, 4)
     for a, b in (s0, s1):
         a.close()
         b.close()
@@ -49,7 +51,7 @@ def test_a_ram_park_that_went_to_disk_says_why_in_the_note():
     t, _ = _table()
     _, s0 = _hello(t, 0, ram_refusal="an FSDP1 module")
     _, s1 = _hello(t, 1)
-    t.want({"run": "paused", "tier": "ram"}, 0.0)
+    t.want(Desired(run="paused", tier="ram"), 0.0)
     conns = {0: s0[0], 1: s1[0]}
 
     def say(rank, **msg):
@@ -63,9 +65,9 @@ def test_a_ram_park_that_went_to_disk_says_why_in_the_note():
     for r in (0, 1):
         say(r, op="part", file=f"ckpt-000001.r{r}.pt", bytes=10, sha256="ab" * 32)
     say(0, op="committed", seq=1, path="/ck/ckpt-000001.json", bytes=20, step=5)
-    f = messages.runtime_facts(t.facts())
-    assert (f["state"], f["tier"], f["ckpt_path"], f["step"]) == ("checkpointed", "disk", "/ck/ckpt-000001.json", 5)
-    assert f["ckpt_note"] == "RAM park refused: cannot rebuild the process group (rank 0: an FSDP1 module)"
+    f = runtime_facts(t.facts())
+    assert (f.state, f.tier, f.ckpt_path, f.step) == ("checkpointed", "disk", "/ck/ckpt-000001.json", 5)
+    assert f.ckpt_note == "RAM park refused: cannot rebuild the process group (rank 0: an FSDP1 module)"
     assert "why_disk" not in t.facts()
     for a, b in (s0, s1):
         a.close()

@@ -9,14 +9,14 @@ import socket
 import sys
 import time
 
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 LAST_STEP = 777_777
 
 
 def main(out: str, n: int) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(channel.socket_address(os.environ[channel.ENV_CONTROL]))
+    s.connect(channel.socket_address(os.environ[env.CONTROL]))
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": 1 << 30}))
     report = channel.encode({"op": "usage", "device_bytes": 1 << 30, "step": 1})
     for _ in range(n // 1000):

@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 MARK_STEP = 4242
 HUGE = str(10**30)
@@ -39,7 +39,7 @@ HOSTILE: list[bytes] = [
 
 
 def main(out: str) -> None:
-    addr = channel.socket_address(os.environ[channel.ENV_CONTROL])
+    addr = channel.socket_address(os.environ[env.CONTROL])
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(addr)
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": 1 << 30}))

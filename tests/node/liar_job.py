@@ -8,7 +8,7 @@ import json
 import os
 import socket
 
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 LIE_BYTES = 8 << 30
 LIE_SECONDS = 1e-6
@@ -16,7 +16,7 @@ LIE_SECONDS = 1e-6
 
 def main() -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(channel.socket_address(os.environ[channel.ENV_CONTROL]))
+    s.connect(channel.socket_address(os.environ[env.CONTROL]))
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": LIE_BYTES}))
     for line in channel.read_lines(s):
         msg = json.loads(line or b"{}")

@@ -11,14 +11,14 @@ import socket
 import sys
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel, env
 
 NOTE = "RAM park refused: a CUDA graph or private memory pool holds device memory (test)"
 
 
 def main() -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(channel.socket_address(os.environ[channel.ENV_CONTROL]))
+    s.connect(channel.socket_address(os.environ[env.CONTROL]))
     s.sendall(channel.encode({"op": "hello", "pid": os.getpid(), "device_bytes": 1 << 20}))
     for line in channel.read_lines(s):
         if json.loads(line or b"{}").get("op") == "pause":

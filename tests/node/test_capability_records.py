@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 from gpuswap.node.freezer import job_parkability, mechanism_for, tiers_for
-from gpuswap.node.messages import RankFact
 from gpuswap.node import observe
 from gpuswap.node.snapshot import job_view
 from gpuswap.node.store import NewJob, Store
 from gpuswap.policy.capability import NCCL_TRANSPARENT_REFUSAL
+from gpuswap.protocol.status import RankFact, runtime_facts
 
 
 def _old_tiers(job, transparent_ok: bool) -> frozenset:
@@ -38,7 +38,7 @@ def _record(tmp_path: Path):
 
 def _track(store: Store, job, rt: dict, now: float) -> None:
     """The observer's usage rule for these facts, written as the controller writes it."""
-    t = observe._track_usage(job, rt, now)
+    t = observe._track_usage(job, runtime_facts(rt), now)
     if t is not None:
         store.update(job.id, t.at, **t.changes)
 
@@ -77,7 +77,7 @@ def test_the_runtimes_world_size_becomes_the_jobs_width(tmp_path):
 
 def test_a_ranks_ram_refusal_makes_the_job_disk_only_and_says_why(tmp_path):
     store, job_id = _record(tmp_path)
-    # as the supervisor's status.json lists them once node/messages.py has validated them
+    # as the supervisor's status.json lists them once protocol/status.py has validated them
     ranks = [RankFact(rank=0).model_dump(), RankFact(rank=1, ram_refusal="FSDP1 module").model_dump()]
     _track(store, store.get(job_id), {"attached": True, "world_size": 2, "ranks": ranks}, time.time())
     j = store.get(job_id)

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel
 
 DEMO_STEPS = 150  # steps of every demo run in these tests (one shared baseline)
 HELD_TRAIN = Path(__file__).resolve().parents[1] / "held_train.py"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpuswap import fsutil
+from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
 from gpuswap.runtime import checkpoint, ckparts, rankstate, rng
 from gpuswap.runtime.objects import classify
 
@@ -102,10 +103,10 @@ def test_a_missing_part_refuses_the_checkpoint(tmp_path):
 
 def test_world_size_mismatch_is_refused_with_the_reason(tmp_path, monkeypatch):
     _commit(tmp_path, 4, step=3, value=1.0)
-    monkeypatch.delenv(checkpoint.ENV_RESTART, raising=False)
+    monkeypatch.delenv(RESTART_ON_BAD_CHECKPOINT, raising=False)
     with pytest.raises(checkpoint.NoUsableCheckpoint, match="checkpoint written by 4 ranks, the job now has 2"):
         ckparts.choose(tmp_path, 0, 2)
-    chosen, note = ckparts.choose(tmp_path, 1, 2, env={checkpoint.ENV_RESTART: "1"})
+    chosen, note = ckparts.choose(tmp_path, 1, 2, env={RESTART_ON_BAD_CHECKPOINT: "1"})
     assert chosen is None and "restarted from step 0" in note and "4 ranks" in note
     # the single-rank reader refuses it the same way
     with pytest.raises(checkpoint.NoUsableCheckpoint, match="written by 4 ranks, the job now has 1"):

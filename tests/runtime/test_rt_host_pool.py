@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from gpuswap.protocol.env import PINNED_KEEP_S
 from gpuswap.runtime import parking, pinned
 
 MiB = 1 << 20
@@ -172,5 +173,5 @@ def test_park_host_bytes_within_a_quarter_of_the_parked_bytes_and_reused():
 @pytest.mark.parametrize("raw, want", [(None, 30.0), ("0", 0.0), ("12.5", 12.5), ("-3", 0.0),
                                        ("1e9", 3600.0), ("nan", 30.0), ("soon", 30.0)])
 def test_keep_seconds_from_the_environment(raw, want):
-    env = {} if raw is None else {pinned.ENV_KEEP: raw}
+    env = {} if raw is None else {PINNED_KEEP_S: raw}
     assert pinned.keep_seconds(env) == want

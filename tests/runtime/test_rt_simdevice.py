@@ -10,6 +10,7 @@ import torch
 
 import gpuswap
 from gpuswap import simcuda
+from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
 from gpuswap.runtime import simdevice
 from gpuswap_rt_peer import pause_in_background
 
@@ -22,8 +23,8 @@ def device(monkeypatch, tmp_path, peer):
     monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
     monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
     monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
-    monkeypatch.setenv(simcuda.ENV_DIR, str(tmp_path / "sim"))
-    monkeypatch.setenv(simdevice.ENV_CONTEXT, str(FLOOR))
+    monkeypatch.setenv(SIM_CUDA_DIR, str(tmp_path / "sim"))
+    monkeypatch.setenv(SIM_CONTEXT_BYTES, str(FLOOR))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     for name in ("_registered", "_pid", "_floor"):        # a fresh process, as far as the module knows
         monkeypatch.setattr(simdevice, name, None)
@@ -50,15 +51,15 @@ def test_attach_registers_the_floor_and_the_attached_bytes_a_ram_park_leaves_the
 def test_nothing_is_registered_on_real_gpus_or_outside_a_daemons_simulated_gpus(device, monkeypatch):
     simdevice.hold(100, simulated=False)
     assert _held(device) == []
-    monkeypatch.delenv(simcuda.ENV_DIR)
+    monkeypatch.delenv(SIM_CUDA_DIR)
     simdevice.hold(100, simulated=True)
     assert _held(device) == []
 
 
 def test_the_floor_is_chosen_by_the_environment_and_a_bad_value_falls_back(capsys):
     assert simdevice.context_bytes({}) == simdevice.DEFAULT_CONTEXT_BYTES == 512 * 2**20
-    assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "256MiB"}) == 256 * 2**20
-    assert simdevice.context_bytes({simdevice.ENV_CONTEXT: "lots"}) == simdevice.DEFAULT_CONTEXT_BYTES
+    assert simdevice.context_bytes({SIM_CONTEXT_BYTES: "256MiB"}) == 256 * 2**20
+    assert simdevice.context_bytes({SIM_CONTEXT_BYTES: "lots"}) == simdevice.DEFAULT_CONTEXT_BYTES
     assert "ignoring GPUSWAP_SIM_CONTEXT_BYTES" in capsys.readouterr().err
 
 

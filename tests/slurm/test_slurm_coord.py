@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuswap.runtime import channel, slurm, slurmcoord
+from gpuswap.protocol import channel
+from gpuswap.runtime import slurm, slurmcoord
 
 
 def test_private_dir_is_ours_and_0700(tmp_path: Path) -> None:

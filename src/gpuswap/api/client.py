@@ -9,7 +9,7 @@ from typing import Any, Optional
 import httpx
 
 from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
-from gpuswap.jobs import ENV_HOME
+from gpuswap.protocol import env as envvars
 
 SYSTEM_HOME = Path("/var/lib/gpuswap")
 
@@ -24,14 +24,11 @@ class ClientError(Exception):
 
 def default_home() -> Path:
     """$GPUSWAP_HOME; else the machine-wide daemon's home if one serves there; else ~/.gpuswap."""
-    if os.environ.get(ENV_HOME):
-        return Path(os.environ[ENV_HOME]).expanduser()
+    if os.environ.get(envvars.HOME):
+        return Path(os.environ[envvars.HOME]).expanduser()
     if os.geteuid() == 0 or (SYSTEM_HOME / "gpuswap.sock").exists():
         return SYSTEM_HOME
     return Path.home() / ".gpuswap"
-
-
-ENV_URL, ENV_TOKEN = "GPUSWAP_URL", "GPUSWAP_TOKEN"
 
 
 class Client:
@@ -40,14 +37,14 @@ class Client:
     def __init__(self, home: Optional[Path] = None, timeout: float = 60.0):
         self.home = home or default_home()
         self.sock: Any = self.home / "gpuswap.sock"
-        url = os.environ.get(ENV_URL, "").strip() if home is None else ""
+        url = os.environ.get(envvars.URL, "").strip() if home is None else ""
         self.remote = bool(url)
         if url:
             if not url.startswith(("http://", "https://")):
-                raise ClientError(f"{ENV_URL}={url!r} is not an http:// URL", EX_USAGE)
-            token = os.environ.get(ENV_TOKEN, "").strip()
+                raise ClientError(f"{envvars.URL}={url!r} is not an http:// URL", EX_USAGE)
+            token = os.environ.get(envvars.TOKEN, "").strip()
             if not token:
-                raise ClientError(f"{ENV_URL} is set but {ENV_TOKEN} is not; create a token with "
+                raise ClientError(f"{envvars.URL} is set but {envvars.TOKEN} is not; create a token with "
                                   "`gpuswap token create` on the server", EX_USAGE)
             self.sock = url.rstrip("/")
             self._http = httpx.Client(base_url=self.sock, timeout=timeout,
@@ -65,7 +62,7 @@ class Client:
         try:
             r = self._http.request(method, path, **kw)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
-            hint = (f"check {ENV_URL}, and that the server runs with --listen" if self.remote
+            hint = (f"check {envvars.URL}, and that the server runs with --listen" if self.remote
                     else "start one with `gpuswap server`, or set GPUSWAP_HOME")
             raise ClientError(f"no gpuswap daemon is listening on {self.sock} ({hint})", EX_UNAVAILABLE) from None
         except httpx.TimeoutException:

@@ -10,15 +10,16 @@ from typing import Any
 
 from gpuswap.exitcodes import EX_FAILURE, EX_USAGE
 from gpuswap.node import settings
+from gpuswap.protocol import env as envvars
 
 CONFIG_HELP = f"""\
 config file:
   Every option above can be set in a TOML file instead: its key is the option's name without the
   dashes (`min-runtime = 30`, `listen = "127.0.0.1:8080"`, `calibrate = false` for --no-calibrate).
   Options given on the command line override the file; the file overrides the defaults.
-  The file is --config PATH, else ${settings.ENV_CONFIG}, else {settings.SYSTEM_CONFIG} for the
+  The file is --config PATH, else ${envvars.CONFIG}, else {settings.SYSTEM_CONFIG} for the
   machine-wide daemon (state directory /var/lib/gpuswap) or $GPUSWAP_HOME/{settings.CONFIG_NAME} for any
-  other; a file named by --config or ${settings.ENV_CONFIG} must exist, the default is read only if it
+  other; a file named by --config or ${envvars.CONFIG} must exist, the default is read only if it
   does. It must be writable by its owner only, root or the daemon's user. An unknown key or a bad
   value is a usage error (exit 64) that names the file and the key.
   `gpuswap server --print-config` prints the settings in force as such a file.
@@ -40,7 +41,7 @@ def register(sub: Any) -> None:
         else:                              # text, read with the file's values by settings.load
             s.add_argument(spec.option, dest=name, metavar=spec.unit, default=argparse.SUPPRESS, help=text)
     s.add_argument("--config", metavar="PATH",
-                   help=f"read settings from this TOML file (default: ${settings.ENV_CONFIG}, else "
+                   help=f"read settings from this TOML file (default: ${envvars.CONFIG}, else "
                         f"{settings.SYSTEM_CONFIG} or $GPUSWAP_HOME/{settings.CONFIG_NAME}, if it exists)")
     s.add_argument("--print-config", action="store_true",
                    help="print the settings in force (flags, config file, defaults) as a config file, and exit")

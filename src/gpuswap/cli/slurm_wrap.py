@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 from gpuswap.exitcodes import EX_NOEXEC, EX_NOTFOUND, EX_USAGE
 from gpuswap.jobs import REQUEUE_EXIT_CODE
-from gpuswap.runtime.slurm import DEFAULT_SIGNALS, ENV_SIGNALS, parse_signals
+from gpuswap.protocol import env as envvars
+from gpuswap.runtime.slurm import DEFAULT_SIGNALS, parse_signals
 
 LAUNCHER_GRACE_S = 60.0   # after the commit: the ranks exit 75, torchrun stops the rest (its own 30 s)
 
@@ -44,7 +45,7 @@ def register(sub: Any) -> None:
     s = sub.add_parser("slurm-wrap", help="run CMD under Slurm, forwarding preemption signals: "
                                           "gpuswap slurm-wrap [--signals USR2,TERM] -- CMD ...",
                        description=__doc__, epilog=SLURM_ENVIRONMENT)
-    s.add_argument("--signals", help=f"signals to forward (default ${ENV_SIGNALS}, else {DEFAULT_SIGNALS}; "
+    s.add_argument("--signals", help=f"signals to forward (default ${envvars.SLURM_SIGNALS}, else {DEFAULT_SIGNALS}; "
                                      "'none' for none)")
     s.add_argument("--park", action="store_true",
                    help="park the child's GPU memory transparently instead of forwarding, where the "
@@ -137,9 +138,7 @@ class Wrapper:
             signal.signal(signal.SIGCONT, self._on_signal)
         env = None
         if self.coord is not None:
-            from gpuswap.runtime import channel
-
-            env = dict(os.environ, **{channel.ENV_CONTROL: str(self.coord.path)})
+            env = dict(os.environ, **{envvars.CONTROL: str(self.coord.path)})
         try:
             with self._lock:  # a signal arriving while the child starts waits for it, then is forwarded
                 self.child = subprocess.Popen(self.cmd, env=env)
@@ -204,7 +203,7 @@ def cmd_slurm_wrap(a: argparse.Namespace) -> int:
         return EX_USAGE
     try:
         signals = (parse_signals(a.signals, "--signals") if a.signals is not None
-                   else parse_signals(os.environ.get(ENV_SIGNALS, DEFAULT_SIGNALS)))
+                   else parse_signals(os.environ.get(envvars.SLURM_SIGNALS, DEFAULT_SIGNALS)))
     except ValueError as exc:
         print(f"gpuswap slurm-wrap: {exc}", file=sys.stderr)
         return EX_USAGE

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from rich.markup import escape
 
 from gpuswap.api.client import Client, ClientError
-from gpuswap.jobs import ENV_HOME
+from gpuswap.protocol import env as envvars
 from gpuswap.terminal import console, state_text
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -45,12 +45,10 @@ def start_private_daemon(home: Path, simulate: Optional[str], args: tuple[str, .
     """A `gpuswap server` of its own on `home` (its socket, its database), never the machine's
     daemon; returns once it answers. Its output goes to home/daemon.log. It reads no config file
     but its fresh home's (none): never $GPUSWAP_CONFIG, which may be the machine daemon's."""
-    from gpuswap.node.settings import ENV_CONFIG
-
     argv = [sys.executable, "-m", "gpuswap.cli.main", "server", *args]
     if simulate:
         argv += ["--simulate-gpus", simulate]
-    env = {k: v for k, v in os.environ.items() if k != ENV_CONFIG} | {ENV_HOME: str(home)}
+    env = {k: v for k, v in os.environ.items() if k != envvars.CONFIG} | {envvars.HOME: str(home)}
     proc = subprocess.Popen(argv, env=env, stdout=open(home / "daemon.log", "ab"), stderr=subprocess.STDOUT)
     client = Client(home)
     deadline = time.monotonic() + timeout
@@ -105,14 +103,14 @@ class Watch:
 
 
 def run_demo(keep: bool = False, steps: int = 400) -> int:
-    base = Path(os.environ[ENV_HOME]).expanduser() if os.environ.get(ENV_HOME) else None
+    base = Path(os.environ[envvars.HOME]).expanduser() if os.environ.get(envvars.HOME) else None
     try:   # the user chose where gpuswap state goes: a fresh directory there, beside any daemon's
         if base is not None:
             base.mkdir(parents=True, exist_ok=True)
         home = Path(tempfile.mkdtemp(prefix="gpuswap-demo-", dir=base))
     except OSError as e:
         where = escape(str(base or tempfile.gettempdir()))
-        console.print(f"[red]demo failed:[/red] cannot make its directory in {where} ({ENV_HOME}): "
+        console.print(f"[red]demo failed:[/red] cannot make its directory in {where} ({envvars.HOME}): "
                       f"{escape(e.strerror or str(e))}")
         return 1
     ngpus = real_gpu_count()
@@ -126,7 +124,7 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
         # On the device the job will use: on simulated GPUs jobs run with GPUSWAP_SIMULATED_GPU=1,
         # on the CPU even where torch sees CUDA (a machine whose NVML is missing).
-        ref_env = dict(env, GPUSWAP_SIMULATED_GPU="1") if simulate else env
+        ref_env = dict(env, **{envvars.SIMULATED: "1"}) if simulate else env
         subprocess.run(train + ["--out", str(home / "reference.json")], env=ref_env, check=True,
                        stdout=subprocess.DEVNULL)
         reference = json.loads((home / "reference.json").read_text())

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
 from gpuswap.lifecycle import EventKind as K, NewEvent
-from gpuswap.node import messages, observe, residue, sessions, snapshot
+from gpuswap.node import observe, residue, sessions, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import CheckpointDriver
 from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, job_parkability,
@@ -27,6 +27,7 @@ from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transition import Applier
 from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
+from gpuswap.protocol.rundir import Desired
 
 log = logging.getLogger("gpuswap.controller")
 
@@ -153,15 +154,13 @@ class Controller:
         """Read what is (the supervisor's status, and what NVML or /proc must add), let
         node/observe.py decide what that changes, and apply it; then the freezer's driver steps."""
         obs = self.launcher.observe(job.id, job.generation) if observe.reads_status(job) else None
-        status = (obs.status or {}) if obs is not None else {}
-        pid = status.get("job_pid")
+        pid = obs.job_pid if obs is not None else None
         facts = observe.Facts(obs)
         if obs is not None and observe.wants_residue(job, obs):
             facts = observe.Facts(obs, residue=residue.measure(obs.job_pid, self.gpus, job.assigned))
-        elif obs is not None and obs.exit is None and not obs.alive and isinstance(pid, int) and pid > 1:
+        elif obs is not None and obs.exit is None and not obs.alive and pid is not None and pid > 1:
             # Its supervisor is gone: what is left of the job's processes (killed if any, observe.py).
-            facts = observe.Facts(obs, orphans=sessions.alive(pid, status.get("job_start_ticks"),
-                                                             messages.rank_pids(status.get("rank_pids"))))
+            facts = observe.Facts(obs, orphans=sessions.alive(pid, obs.job_start_ticks, obs.rank_pids))
         verdict = observe.decide(job, facts, now, self.rules)
         for t in verdict.transitions:
             self.applier.apply(job.id, t)
@@ -348,7 +347,7 @@ class Controller:
 
     def _launch(self, job: JobRecord, generation: int, gpus: tuple[int, ...] | list[int]) -> None:
         self.launcher.launch(job, self.store.env(job.id), generation, self.gpus.visible_devices(list(gpus)),
-                             {"run": "running"})
+                             Desired(run="running"))
 
     def _push_desired(self, job: JobRecord) -> None:
         if job.generation == 0 or (job.state == JobState.PAUSED and job.parked == "disk"):
@@ -356,10 +355,9 @@ class Controller:
         if job.state in ACTIVE and not self.launcher.spawned(job.id, job.generation):
             # The daemon died between recording a start and spawning it: spawn now (idempotent).
             self._launch(job, job.generation, job.assigned)
-        self.launcher.set_desired(job.id, job.generation, {
-            "run": job.desired, "tier": job.desired_tier, "sigstop": job.stopped,
-            "cancel": job.cancel_requested, "max_bytes": job.ram_allowance,
-        })
+        self.launcher.set_desired(job.id, job.generation, Desired(
+            run=job.desired, tier=job.desired_tier, sigstop=job.stopped,
+            cancel=job.cancel_requested, max_bytes=job.ram_allowance))
 
 
 def _gpus(gpus: tuple[int, ...] | list[int]) -> str:

@@ -27,13 +27,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuswap.fsutil import atomic_write_json, make_dir, make_file, read_json
-from gpuswap.node import messages
-from gpuswap import simcuda
-from gpuswap.runtime import channel
+from gpuswap.fsutil import make_dir, make_file, read_json
+from gpuswap.protocol import rundir
+from gpuswap.protocol.env import JobEnv
+from gpuswap.protocol.rundir import Desired, Spawned, Spec
+from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
@@ -49,22 +51,34 @@ class Observation:
     spawned_at: Optional[float]        # when the daemon spawned this generation's supervisor
 
     # The status file's values reach SQLite: read them only through these, which validate
-    # (messages.py); the runtime facts came from the job.
-    @property
-    def exit(self) -> Optional[dict[str, Any]]:
-        return messages.exit_facts(self.status.get("exit")) if isinstance(self.status, dict) else None
+    # (protocol/status.py); the runtime facts came from the job.
+    @cached_property
+    def report(self) -> SupervisorReport:
+        return SupervisorReport.parse(self.status)
 
     @property
-    def runtime(self) -> dict[str, Any]:
-        return messages.runtime_facts(self.status.get("runtime")) if isinstance(self.status, dict) else {}
+    def exit(self) -> Optional[ExitFacts]:
+        return self.report.exit
+
+    @property
+    def runtime(self) -> RuntimeFacts:
+        return self.report.runtime
 
     @property
     def job_pid(self) -> Optional[int]:
-        return messages.pid_or_none(self.status.get("job_pid")) if isinstance(self.status, dict) else None
+        return self.report.job_pid
+
+    @property
+    def job_start_ticks(self) -> Optional[int]:
+        return self.report.job_start_ticks
+
+    @property
+    def rank_pids(self) -> list[tuple[int, Optional[int]]]:
+        return list(self.report.rank_pids)
 
     @property
     def stopped(self) -> bool:
-        return isinstance(self.status, dict) and self.status.get("stopped") is True
+        return self.report.stopped
 
 
 class Launcher:
@@ -88,10 +102,10 @@ class Launcher:
 
     def control_address(self, job_id: int, generation: int) -> str:
         """A path in a directory only the daemon can create entries in: nobody can claim it."""
-        return str(self.run_dir(job_id, generation) / "control")
+        return str(self.run_dir(job_id, generation) / rundir.CONTROL)
 
     def launch(self, job: Any, env: dict[str, str], generation: int, gpu_env: str,
-               desired: dict[str, Any]) -> None:
+               desired: Desired) -> None:
         """Spawn a supervisor for this generation unless one was already spawned (idempotent)."""
         run = self.run_dir(job.id, generation)
         if self.spawned(job.id, generation):
@@ -103,52 +117,42 @@ class Launcher:
         make_dir(ckpt, 0o700, *owner)
         log = self.log_path(job.id)
         make_file(log, 0o600, *owner)
-        extra_env = {
-            "CUDA_VISIBLE_DEVICES": gpu_env,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            channel.ENV_JOB_ID: str(job.id),
-            channel.ENV_CONTROL: self.control_address(job.id, generation),
-            channel.ENV_CKPT_DIR: str(ckpt),
-        }
-        if self.simulated:
-            extra_env[channel.ENV_SIMULATED] = "1"
-            extra_env[simcuda.ENV_DIR] = str(self.home / "simulated-driver")   # daemon.sim_device_dir
+        given = JobEnv(job_id=str(job.id), control=self.control_address(job.id, generation), ckpt_dir=str(ckpt),
+                       simulated=self.simulated,   # then the simulated driver's directory: daemon.sim_device_dir
+                       sim_cuda_dir=str(self.home / "simulated-driver") if self.simulated else None)
+        extra_env = {"CUDA_VISIBLE_DEVICES": gpu_env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", **given.to_env()}
         groups = _supplementary_groups(job.uid, job.gid)
-        if not (run / "desired.json").exists():     # a respawn keeps what the daemon asked since
-            atomic_write_json(run / "desired.json", desired)
-        atomic_write_json(run / "spec.json", {
-            "job_id": job.id, "generation": generation, "argv": job.argv, "cwd": job.cwd,
-            "env": env,
-            "extra_env": extra_env, "uid": job.uid, "gid": job.gid,
-            "groups": groups, "log_path": str(log),
-            "control": self.control_address(job.id, generation),
-            "pause_timeout_s": self.pause_timeout_s,
-        })
-        make_file(run / "supervisor.err", 0o600)
-        with open(run / "supervisor.err", "ab") as err:
+        if not (run / rundir.DESIRED).exists():     # a respawn keeps what the daemon asked since
+            rundir.write(run, rundir.DESIRED, desired)
+        rundir.write(run, rundir.SPEC, Spec(
+            job_id=job.id, generation=generation, argv=job.argv, cwd=job.cwd, env=env, extra_env=extra_env,
+            uid=job.uid, gid=job.gid, groups=groups, log_path=str(log),
+            control=self.control_address(job.id, generation), pause_timeout_s=self.pause_timeout_s))
+        make_file(run / rundir.SUPERVISOR_ERR, 0o600)
+        with open(run / rundir.SUPERVISOR_ERR, "ab") as err:
             child = subprocess.Popen(
                 [sys.executable, "-m", "gpuswap.node.supervisor", str(run)],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
                 cwd="/",
             )
         self._children.append(child)
-        atomic_write_json(run / "spawned.json", {"pid": child.pid, "time": time.time()})
+        rundir.write(run, rundir.SPAWNED, Spawned(pid=child.pid, time=time.time()))
 
     def spawned(self, job_id: int, generation: int) -> bool:
-        return (self.run_dir(job_id, generation) / "spawned.json").exists()
+        return (self.run_dir(job_id, generation) / rundir.SPAWNED).exists()
 
-    def set_desired(self, job_id: int, generation: int, desired: dict[str, Any]) -> None:
-        path = self.run_dir(job_id, generation) / "desired.json"
-        if path.parent.exists() and read_json(path) != desired:
-            atomic_write_json(path, desired)
+    def set_desired(self, job_id: int, generation: int, desired: Desired) -> None:
+        run = self.run_dir(job_id, generation)
+        if run.exists() and rundir.read_desired(run) != desired:
+            rundir.write(run, rundir.DESIRED, desired)
 
     def observe(self, job_id: int, generation: int) -> Observation:
         run = self.run_dir(job_id, generation)
-        spawned = read_json(run / "spawned.json")
+        spawned = rundir.read_spawned(run)
         return Observation(
-            status=read_json(run / "status.json"),
-            alive=_lock_held(run / "lock"),
-            spawned_at=spawned["time"] if spawned else None,
+            status=read_json(run / rundir.STATUS),
+            alive=_lock_held(run / rundir.LOCK),
+            spawned_at=spawned.time if spawned else None,
         )
 
     def reap(self) -> None:

@@ -16,11 +16,12 @@ from typing import Any, Literal, Mapping, Optional
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.lifecycle import EventKind as K, NewEvent
-from gpuswap.node import messages, residue
+from gpuswap.node import residue
 from gpuswap.node.freezer import ATTACH_GRACE_S
 from gpuswap.node.launcher import SPAWN_GRACE_S, Observation
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import KillProcesses, RemoveCheckpoints, Sample, Transition
+from gpuswap.protocol.status import ExitFacts, RankFact, RuntimeFacts
 
 P, R, PG, PD, RS = JobState.PENDING, JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING
 
@@ -55,7 +56,7 @@ def wants_residue(job: JobRecord, obs: Observation) -> bool:
     """Whether `decide` will record a RAM park now, and so needs what it left on the GPUs (NVML)."""
     rt = obs.runtime
     return (obs.exit is None and obs.alive and job.state == PG and job.mechanism != "transparent"
-            and not job.stopped and rt.get("state") == "paused" and rt.get("tier") == "ram")
+            and not job.stopped and rt.state == "paused" and rt.tier == "ram")
 
 
 def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
@@ -92,7 +93,7 @@ def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
         # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
         # waits for the user's resume; a policy spill leaves it to the policy.
         out.append(Transition(now, dict(desired_tier="ram"), NewEvent(
-            K.SPILL_FAILED, f"spill to disk failed, job stays parked in RAM: {rt['error']}")))
+            K.SPILL_FAILED, f"spill to disk failed, job stays parked in RAM: {rt.error}")))
         return Verdict(tuple(out))
     if job.mechanism == "transparent" and job.state in (PG, RS):
         return Verdict(tuple(out), "freezing" if job.state == PG else "thawing")
@@ -107,32 +108,33 @@ def _after(job: JobRecord, t: Transition) -> JobRecord:
     return dataclasses.replace(job, **changes, reason=t.event.text if t.event else job.reason)
 
 
-def _track_usage(job: JobRecord, rt: dict[str, Any], now: float) -> Optional[Transition]:
+def _track_usage(job: JobRecord, rt: RuntimeFacts, now: float) -> Optional[Transition]:
     # `no_runtime` is never cleared here: once a pause timed out the job was told "it will not
     # be preempted", and a runtime that is attached but slow between safepoints would
     # otherwise be asked again at once, time out again, and loop. See _pausing.
     changes: dict[str, Any] = {}
-    if rt.get("attached") and not job.attached:
+    if rt.attached and not job.attached:
         changes["attached"] = True
-    dev = int(rt.get("device_bytes") or 0)
-    if rt.get("state") == "running" and dev and dev != job.device_bytes:
+    dev = int(rt.device_bytes or 0)
+    if rt.state == "running" and dev and dev != job.device_bytes:
         changes["device_bytes"] = dev
-    if rt.get("step") is not None and rt.get("step") != job.step:
-        changes["step"] = rt["step"]
-    if "ranks" in rt:       # a multi-rank job: its ranks and their states, for `show` and `ls`
-        ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
+    if rt.step is not None and rt.step != job.step:
+        changes["step"] = rt.step
+    if rt.ranks is not None:       # a multi-rank job: its ranks and their states, for `show` and `ls`
+        ranks = [{k: getattr(r, k) for k in ("rank", "pid", "state", "connected", "device_bytes")}
+                 for r in rt.ranks]
         if ranks != job.ranks:
             changes["ranks"] = ranks
-    width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
+    width = rt.world_size     # a multi-rank runtime's ranks (protocol/status.py bounds it)
     if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
         changes["width"] = width
-    refusal = _ram_refusal(rt.get("ranks"))
-    if refusal != job.ram_refusal and (refusal is not None or rt.get("ranks") is not None):
+    refusal = _ram_refusal(rt.ranks)
+    if refusal != job.ram_refusal and (refusal is not None or rt.ranks is not None):
         changes["ram_refusal"] = refusal
     return Transition(now, changes) if changes else None
 
 
-def _pausing(job: JobRecord, rt: dict[str, Any], obs: Observation, kept: Mapping[int, int], now: float,
+def _pausing(job: JobRecord, rt: RuntimeFacts, obs: Observation, kept: Mapping[int, int], now: float,
              rules: Rules) -> Optional[Transition]:
     if job.stopped:
         if obs.stopped:   # the supervisor confirms the SIGSTOP
@@ -140,43 +142,43 @@ def _pausing(job: JobRecord, rt: dict[str, Any], obs: Observation, kept: Mapping
                 K.SIGSTOPPED, f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory stays allocated "
                               "and is not counted as freed"))
         return None
-    multi = (rt.get("world_size") or 1) > 1
-    if rt.get("state") == "paused" and rt.get("tier") == "ram":
-        nbytes = int(rt.get("bytes") or 0)
+    multi = rt.multi_rank
+    if rt.state == "paused" and rt.tier == "ram":
+        nbytes = int(rt.bytes or 0)
         # A multi-rank pause_s holds the wait for the common step and the group teardown, and its
         # bytes moved over several links at once: not one link's bandwidth. The slowest rank's
         # teardown is the figure it gives.
-        sample = (Sample("group_teardown_s", None, rt.get("group_teardown_s")) if multi
-                  else Sample("ram_park_bps", nbytes, rt.get("pause_s")))
+        sample = (Sample("group_teardown_s", None, rt.group_teardown_s) if multi
+                  else Sample("ram_park_bps", nbytes, rt.pause_s))
         # What the park could not free (its CUDA context, ...), read from NVML after the runtime
         # reported the park done (`facts.residue`). Kept on the job, and reserved by the policy.
         kept = dict(kept)
         stays = f"; {residue.text(kept)} (CUDA context and memory not attached)" if kept else ""
         return Transition(now, dict(state=PD, parked="ram", parked_bytes=nbytes, home_gpus=job.assigned, assigned=[],
-                                    step=rt.get("step"), residue=kept), NewEvent(
-            K.PARKED_RAM, f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s"
+                                    step=rt.step, residue=kept), NewEvent(
+            K.PARKED_RAM, f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.pause_s or 0:.2f} s"
                           + stays), (sample,))
     if _failed_since(rt, job.pause_requested_at):
-        err, lead = str(rt["error"]), "park failed, job keeps running: "
+        err, lead = str(rt.error), "park failed, job keeps running: "
         return Transition(now, dict(state=R, desired="running", desired_tier=None, hold=False), NewEvent(
             K.PARK_FAILED, err if err.startswith(lead) else lead + err,   # multi-rank: the lead said once
             tier=job.desired_tier, mechanism=job.mechanism))
-    if multi and rt.get("phase") not in (None, "running", "agreeing"):
+    if multi and rt.phase not in (None, "running", "agreeing"):
         # Every rank reached the common step and the park is under way: the job is no longer
         # running as it was (groups torn down), and the supervisor's coordinator bounds each
         # phase by the same timeout, ending the job with the reason (node/ranks.py).
         return None
     asked_for = now - (job.pause_requested_at or now)
-    never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
+    never_attached = not rt.attached and now - (job.last_start or now) > ATTACH_GRACE_S
     if asked_for <= rules.pause_timeout_s and not never_attached:
         return None
     # From here on the job is not asked to pause again for the rest of this launch (a later
     # safepoint or hello proves nothing about the next pause); the flag is per record and
     # nothing clears it, so the promise in the event below holds.
-    why = ("no gpuswap runtime attached" if not rt.get("attached")
+    why = ("no gpuswap runtime attached" if not rt.attached
            else f"no safepoint reached within {rules.pause_timeout_s:g} s")
-    if multi and rt.get("not_pausable"):
-        why = str(rt["not_pausable"])          # "1 of 2 ranks attached", "rank 1 finished training"
+    if multi and rt.not_pausable:
+        why = str(rt.not_pausable)          # "1 of 2 ranks attached", "rank 1 finished training"
     if rules.no_runtime == "sigstop" and not multi:   # a multi-rank job's ranks are not in its session
         return Transition(now, dict(stopped=True, no_runtime=True, desired="running", reason=why))
     return Transition(now, dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), NewEvent(
@@ -184,17 +186,17 @@ def _pausing(job: JobRecord, rt: dict[str, Any], obs: Observation, kept: Mapping
         tier=job.desired_tier, mechanism=job.mechanism))
 
 
-def _resuming(job: JobRecord, rt: dict[str, Any], now: float) -> Optional[Transition]:
-    if job.parked == "ram" and rt.get("state") == "running":
-        sample = (Sample("group_rebuild_s", None, rt.get("group_rebuild_s")) if (rt.get("world_size") or 1) > 1
-                  else Sample("ram_resume_bps", job.parked_bytes, rt.get("resume_s")))   # as at the park
+def _resuming(job: JobRecord, rt: RuntimeFacts, now: float) -> Optional[Transition]:
+    if job.parked == "ram" and rt.state == "running":
+        sample = (Sample("group_rebuild_s", None, rt.group_rebuild_s) if rt.multi_rank
+                  else Sample("ram_resume_bps", job.parked_bytes, rt.resume_s))   # as at the park
         return Transition(now, dict(state=R, parked=None, parked_bytes=0, home_gpus=[], last_start=now), NewEvent(
-            K.RESUMED_RAM, f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s"), (sample,))
-    if job.parked == "disk" and rt.get("attached"):
-        step = rt.get("restored_step")
-        nbytes, seconds = int(rt.get("restored_bytes") or 0), rt.get("restore_s")
+            K.RESUMED_RAM, f"resumed from RAM in {rt.resume_s or 0:.2f} s"), (sample,))
+    if job.parked == "disk" and rt.attached:
+        step = rt.restored_step
+        nbytes, seconds = int(rt.restored_bytes or 0), rt.restore_s
         read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
-        note = rt.get("restore_note")
+        note = rt.restore_note
         if step is None and note:   # checkpoints were all bad; the job's env asked for a restart
             text = str(note)
         elif step is None:
@@ -211,13 +213,11 @@ def _resuming(job: JobRecord, rt: dict[str, Any], now: float) -> Optional[Transi
 def _supervisor_died(job: JobRecord, obs: Observation, orphans: int, now: float) -> Transition:
     """Nobody will reap or control the job's processes any more: kill its whole session, and
     end the job (freeing its GPUs and RAM) only once none of its processes is left."""
-    status = obs.status or {}
-    pid = status.get("job_pid")
-    if isinstance(pid, int) and pid > 1:
+    pid = obs.job_pid
+    if pid is not None and pid > 1:
         if orphans:
             # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
-            ranks = tuple(messages.rank_pids(status.get("rank_pids")))
-            return Transition(now, effects=(KillProcesses(pid, status.get("job_start_ticks"), ranks),))
+            return Transition(now, effects=(KillProcesses(pid, obs.job_start_ticks, tuple(obs.rank_pids)),))
             # confirmed gone at a later tick, before anything else gets its GPUs
         why = "its supervisor died without recording an exit status; its processes were killed"
     else:
@@ -235,35 +235,35 @@ def _end(job: JobRecord, now: float, event: NewEvent, **changes: Any) -> Transit
 
 
 def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
-    ex, rt = obs.exit or {}, obs.runtime
+    ex, rt = obs.exit or ExitFacts(), obs.runtime
     # When it ended, not when we noticed: a job that ended while the daemon was down is seen
     # only after the restart, but its supervisor wrote the exit time in status.json.
     now = _exit_time(ex, now)
-    code, sig = ex.get("code"), ex.get("signal")
+    code, sig = ex.code, ex.signal
     common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
     # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
     # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
-    multi = (rt.get("world_size") or 1) > 1
-    if ((code == REQUEUE_EXIT_CODE or multi) and rt.get("state") == "checkpointed"
-            and not job.cancel_requested and not ex.get("error")):
-        nbytes = int(rt.get("bytes") or 0)
+    multi = rt.multi_rank
+    if ((code == REQUEUE_EXIT_CODE or multi) and rt.state == "checkpointed"
+            and not job.cancel_requested and not ex.error):
+        nbytes = int(rt.bytes or 0)
         if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
             common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
-        return Transition(now, dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=rt.get("step"),
+        return Transition(now, dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=rt.step,
                                     mechanism="cooperative", **common), NewEvent(
             K.SPILLED if job.state == PD else K.PARKED_DISK,
-            f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} written in "
-            f"{rt.get('pause_s') or 0:.2f} s; requeued" + (f" ({rt['ckpt_note']})" if rt.get("ckpt_note") else "")),
-            (Sample("disk_write_bps", nbytes, rt.get("pause_s")),))
+            f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.step} written in "
+            f"{rt.pause_s or 0:.2f} s; requeued" + (f" ({rt.ckpt_note})" if rt.ckpt_note else "")),
+            (Sample("disk_write_bps", nbytes, rt.pause_s),))
     common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
-    if rt.get("restore_failed") and not job.cancel_requested:
+    if rt.restore_failed and not job.cancel_requested:
         # No usable checkpoint: the job refused to start over. Its checkpoints are kept (not
         # `_end`'s drop): they are the evidence, and perhaps repairable.
         return Transition(now, dict(end_time=now, state=JobState.FAILED, **common),
-                          NewEvent(K.FAILED, f"{rt['restore_failed']} ({_exit_text(code, sig)})"))
+                          NewEvent(K.FAILED, f"{rt.restore_failed} ({_exit_text(code, sig)})"))
     where = f" while {job.state.value.lower()}" if job.state != R else ""
-    if ex.get("error"):
-        return _end(job, now, NewEvent(K.FAILED, ex["error"]), state=JobState.FAILED, **common)
+    if ex.error:
+        return _end(job, now, NewEvent(K.FAILED, ex.error), state=JobState.FAILED, **common)
     if job.abort_reason:
         return _end(job, now, NewEvent(K.FAILED, f"{job.abort_reason} ({_exit_text(code, sig)})"),
                     state=JobState.FAILED, **common)
@@ -275,29 +275,26 @@ def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
     return _end(job, now, NewEvent(K.FAILED, _exit_text(code, sig) + where), state=JobState.FAILED, **common)
 
 
-def _exit_time(ex: dict[str, Any], now: float) -> float:
+def _exit_time(ex: ExitFacts, now: float) -> float:
     """The supervisor's recorded exit time, if it is usable (never later than now)."""
-    try:
-        when = float(ex["time"])
-    except (KeyError, TypeError, ValueError):
+    if ex.time is None:
         return now
+    when = float(ex.time)
     return min(when, now) if when > 0 else now
 
 
-def _ram_refusal(ranks: Any) -> Optional[str]:
+def _ram_refusal(ranks: Optional[tuple[RankFact, ...]]) -> Optional[str]:
     """Why the job's ranks cannot rebuild their group (each rank's `ram_refusal` in the runtime's
     `ranks` facts, runtime/agreement.py), as one line; None when none refuses."""
-    if not isinstance(ranks, list):
+    if ranks is None:
         return None
-    out = [f"rank {r['rank']}: {r['ram_refusal'][:200]}" for r in ranks
-           if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("ram_refusal"), str)
-           and r["ram_refusal"]]
+    out = [f"rank {r.rank}: {r.ram_refusal[:200]}" for r in ranks if r.ram_refusal]
     return "; ".join(out)[:1000] or None
 
 
-def _failed_since(rt: dict[str, Any], asked_at: Any) -> bool:
+def _failed_since(rt: RuntimeFacts, asked_at: Any) -> bool:
     """The runtime reported an error for a request made at `asked_at` (not an older one)."""
-    return bool(rt.get("error")) and float(rt.get("error_at") or 0) >= float(asked_at or 0)
+    return bool(rt.error) and float(rt.error_at or 0) >= float(asked_at or 0)
 
 
 def _exit_text(code: Any, sig: Any) -> str:

@@ -64,7 +64,7 @@ class JobRecord:
     # (NVML, node/residue.py): while it is parked in RAM, memory still taken on its GPUs.
     residue: dict[int, int]
     # A multi-rank job's ranks as its supervisor last listed them ([] for a single-rank job):
-    # [{"rank", "pid", "state", "connected", "device_bytes"}] (node/ranks.py), for `show` and `ls`.
+    # [{"rank", "pid", "state", "connected", "device_bytes"}] (runtime/ranktable.py), for `show` and `ls`.
     ranks: list[dict[str, Any]]
     version: int             # store-wide change counter at this row's last write
     # Ranks of its process group, as its runtime reported them (`world_size`); 1 until one does.

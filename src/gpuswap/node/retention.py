@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.launcher import _lock_held as lock_held
 from gpuswap.node.store import Store
+from gpuswap.protocol import rundir
 
 log = logging.getLogger("gpuswap.retention")
 
@@ -90,4 +91,4 @@ class RetentionSweeper:
             runs = [p for p in job_dir.iterdir() if p.name.startswith("run-")]
         except OSError:
             return False
-        return any(lock_held(run / "lock") for run in runs)
+        return any(lock_held(run / rundir.LOCK) for run in runs)

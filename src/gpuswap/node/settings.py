@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping, Optional
 from gpuswap.jobs import parse_size
 from gpuswap.policy import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
 from gpuswap.policy.model import PolicyConfig
+from gpuswap.protocol import env as envvars
 
-ENV_CONFIG = "GPUSWAP_CONFIG"
 SYSTEM_CONFIG = Path("/etc/gpuswap/gpuswap.toml")
 CONFIG_NAME = "gpuswap.toml"          # beside the state of any other daemon: HOME/gpuswap.toml
 _POLICY = PolicyConfig()              # min-runtime and max-switch-fraction are the policy's own defaults
@@ -258,8 +258,8 @@ def config_file(given: Optional[str], env: Mapping[str, str], home: Path, system
     for this state directory (read only if it exists)."""
     if given is not None:
         return Path(given).expanduser(), True
-    if env.get(ENV_CONFIG):
-        return Path(env[ENV_CONFIG]).expanduser(), True
+    if env.get(envvars.CONFIG):
+        return Path(env[envvars.CONFIG]).expanduser(), True
     return (SYSTEM_CONFIG if home == system_home else home / CONFIG_NAME), False
 
 

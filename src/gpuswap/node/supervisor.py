@@ -5,10 +5,11 @@ parent, so it alone can collect the exit status; it writes it to `status.json` b
 and the next daemon reads it there. It also serves the job's control socket, so a job parked in
 RAM stays connected to something that never goes away while the daemon restarts.
 
-Run directory (made by the daemon before spawning us):
-  spec.json     what to run: argv, cwd, env, uid/gid, log path, control address
-  desired.json  what the daemon wants now: {"run": "running"|"paused", "tier", "sigstop", "cancel"}
-  status.json   what is (written by us, atomically, on every change)
+Run directory (made by the daemon before spawning us; protocol/rundir.py has its files' records):
+  spec.json     what to run: argv, cwd, env, uid/gid, log path, control address (`Spec`)
+  desired.json  what the daemon wants now: run, tier, sigstop, cancel, max_bytes (`Desired`)
+  status.json   what is (written by us, atomically, on every change; the daemon reads it back
+                through protocol/status.py)
   lock          flock held for our whole life: the daemon's liveness check, immune to PID reuse
   spawned.json  written by the daemon once we exist (launcher.py: a lost spawn is redone)
   control       the job's control socket (ours to bind; the job owner's file, mode 0600)
@@ -30,14 +31,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from gpuswap import peercred
+from gpuswap import peercred, processes
 from gpuswap.exitcodes import EX_USAGE
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
-from gpuswap.node import execshim, messages, sessions
-from gpuswap.node.ranks import RankTable
-from gpuswap.runtime import channel
+from gpuswap.node import execshim, sessions
+from gpuswap.protocol import channel, messages, rundir
+from gpuswap.protocol.rundir import Desired, Spec
+from gpuswap.protocol.status import ExitFacts, SupervisorStatus
+from gpuswap.runtime.ranktable import RankTable
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
@@ -60,34 +63,26 @@ def peer_uid(sock: socket.socket) -> int:
 class Supervisor:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.spec: dict[str, Any] = read_json(run_dir / "spec.json")
+        self.spec: Spec = rundir.read_spec(run_dir)
         self.lock = threading.RLock()
-        self.status: dict[str, Any] = {
-            "job_id": self.spec["job_id"],
-            "generation": self.spec["generation"],
-            "supervisor_pid": os.getpid(),
-            "job_pid": None,
-            "started_at": time.time(),
-            "runtime": {"connected": False, "attached": False, "state": None},
-            "stopped": False,
-            "exit": None,
-        }
+        self.status = SupervisorStatus(job_id=self.spec.job_id, generation=self.spec.generation,
+                                       supervisor_pid=os.getpid(), started_at=time.time())
         self.conn: Optional[socket.socket] = None
         self.sent: Optional[tuple[str, Optional[str]]] = None   # last request sent to the runtime
         self.child: Optional[subprocess.Popen] = None
         self.term_sent_at: Optional[float] = None
         self._desired_mtime: Optional[int] = None
-        self.desired: dict[str, Any] = {"run": "running"}
+        self.desired = Desired()
         self._complaints = 0
         self._unsaved = False         # status changed (or a write failed) and is not on disk yet
         self._written_at = 0.0        # monotonic time of the last status.json write
         self._write_failed = False    # said once in supervisor.log until a write succeeds again
         # A multi-rank job (its first hello says world_size > 1): the ranks' connections and the
-        # common-step coordinator (node/ranks.py); None for a single-rank job, which keeps `conn`.
+        # common-step coordinator (runtime/ranktable.py); None for a single-rank job, which keeps `conn`.
         self.ranks: Optional[RankTable] = None
         self._ended_checkpointed = False
         self.kill_reason: Optional[str] = None
-        self.pause_timeout_s = float(self.spec.get("pause_timeout_s") or 60.0)
+        self.pause_timeout_s = self.spec.pause_timeout_s
 
     # -- status -----------------------------------------------------------------------------
     def write_status(self) -> bool:
@@ -95,7 +90,7 @@ class Supervisor:
         (the old file stays whole, and no temp file is left: fsutil)."""
         with self.lock:
             try:
-                atomic_write_json(self.run_dir / "status.json", self.status)
+                atomic_write_json(self.run_dir / rundir.STATUS, self.status.to_json())
             except OSError as e:
                 if not self._write_failed:
                     self.log(f"cannot write status.json ({e.strerror or e}); retrying")
@@ -110,7 +105,7 @@ class Supervisor:
         return self._unsaved and time.monotonic() - self._written_at >= USAGE_WRITE_S
 
     def log(self, text: str) -> None:
-        path = self.run_dir / "supervisor.log"
+        path = self.run_dir / rundir.SUPERVISOR_LOG
         try:
             if not path.exists():
                 make_file(path, 0o600)
@@ -124,15 +119,14 @@ class Supervisor:
         """Start the job through the exec shim; False (and the reason in status.json) if it could
         not start. Called from the main thread: the parent-death signal follows the forking thread."""
         spec = self.spec
-        env = dict(spec["env"])
-        env.update(spec["extra_env"])
-        as_user = os.geteuid() == 0 and spec["uid"] != 0
-        config = {"argv": spec["argv"], "cwd": spec["cwd"], "env": env,
-                  "uid": spec["uid"] if as_user else None, "gid": spec["gid"],
-                  "groups": spec.get("groups") or []}
+        env = dict(spec.env)
+        env.update(spec.extra_env)
+        as_user = os.geteuid() == 0 and spec.uid != 0
+        config = {"argv": spec.argv, "cwd": spec.cwd, "env": env,
+                  "uid": spec.uid if as_user else None, "gid": spec.gid, "groups": spec.groups}
         cfg_r, cfg_w = os.pipe()
         st_r, st_w = os.pipe()
-        log = open(spec["log_path"], "ab", buffering=0)
+        log = open(spec.log_path, "ab", buffering=0)
         try:
             self.child = subprocess.Popen(
                 [sys.executable, "-I", "-S", execshim.__file__, str(cfg_r), str(st_w), str(os.getpid())],
@@ -142,15 +136,15 @@ class Supervisor:
         except (OSError, subprocess.SubprocessError) as e:
             for fd in (cfg_w, st_r):
                 os.close(fd)
-            return self._not_started(f"cannot start {spec['argv'][0]!r}: {getattr(e, 'strerror', None) or e}")
+            return self._not_started(f"cannot start {spec.argv[0]!r}: {getattr(e, 'strerror', None) or e}")
         finally:
             log.close()
             os.close(cfg_r)
             os.close(st_w)
         # Its pid is durable before the user's program can run (the shim waits for the config).
         with self.lock:
-            self.status["job_pid"] = self.child.pid
-            self.status["job_start_ticks"] = sessions.start_ticks(self.child.pid)
+            self.status.job_pid = self.child.pid
+            self.status.job_start_ticks = processes.start_ticks(self.child.pid)
         self.write_status()
         try:
             with open(cfg_w, "wb") as w:
@@ -168,18 +162,18 @@ class Supervisor:
             err = {"stage": "exec", "message": failure.decode(errors="replace")}
         why = err.get("message") or "unknown error"
         if err.get("stage") == "chdir":   # the directory failed, not the program
-            reason = f"cannot start {spec['argv'][0]!r}: its working directory {spec['cwd']!r}: {why}"
+            reason = f"cannot start {spec.argv[0]!r}: its working directory {spec.cwd!r}: {why}"
         elif err.get("stage") == "credentials":
-            reason = f"cannot start {spec['argv'][0]!r}: cannot become uid {spec['uid']}: {why}"
+            reason = f"cannot start {spec.argv[0]!r}: cannot become uid {spec.uid}: {why}"
         else:
-            reason = f"cannot start {spec['argv'][0]!r}: {why}"
+            reason = f"cannot start {spec.argv[0]!r}: {why}"
         return self._not_started(reason)
 
     def _not_started(self, reason: str) -> bool:
-        with open(self.spec["log_path"], "ab") as out:
+        with open(self.spec.log_path, "ab") as out:
             out.write(f"[gpuswap] {reason}\n".encode())
         with self.lock:
-            self.status["exit"] = {"code": None, "signal": None, "error": reason, "time": time.time()}
+            self.status.exit = ExitFacts(code=None, signal=None, error=reason, time=time.time())
         self.write_status()
         return False
 
@@ -195,7 +189,7 @@ class Supervisor:
     def serve(self) -> None:
         """Bind the control socket: a path in our run directory (only the daemon can make entries
         there), then make it the job owner's, mode 0600; peers are checked by uid as well."""
-        address = self.spec["control"]
+        address = self.spec.control
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if not address.startswith("@"):
             try:
@@ -204,14 +198,14 @@ class Supervisor:
                 pass
         channel.bind(srv, address)
         if not address.startswith("@"):
-            owner = (self.spec["uid"], self.spec["gid"]) if os.geteuid() == 0 else (-1, -1)
+            owner = (self.spec.uid, self.spec.gid) if os.geteuid() == 0 else (-1, -1)
             os.chown(address, *owner)
             os.chmod(address, 0o600)
         srv.listen(4)
         threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
 
     def _accept(self, srv: socket.socket) -> None:
-        allowed = {0, os.geteuid(), self.spec["uid"]}
+        allowed = {0, os.geteuid(), self.spec.uid}
         while True:
             conn, _ = srv.accept()
             pid, uid = peer_cred(conn)
@@ -233,7 +227,7 @@ class Supervisor:
                 except messages.BadMessage as e:
                     bad += 1
                     with self.lock:
-                        rt = self.status["runtime"]
+                        rt = self.status.runtime
                         rt["rejected"] = rt.get("rejected", 0) + 1
                         # Folded into the next write, like a usage report: a rejection counted after
                         # the last write would otherwise never reach status.json.
@@ -252,7 +246,7 @@ class Supervisor:
         with self.lock:
             if self.conn is conn:
                 self.conn = None
-                self.status["runtime"]["connected"] = False
+                self.status.runtime["connected"] = False
             if self.ranks is not None:
                 self.ranks.lost(conn, time.time())
                 self._rank_facts()
@@ -269,7 +263,7 @@ class Supervisor:
         if self.ranks is not None or (isinstance(msg, messages.Hello) and (msg.world_size or 1) > 1):
             return self._on_rank_message(conn, msg, peer_pid)
         with self.lock:
-            rt = self.status["runtime"]
+            rt = self.status.runtime
             if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
                 self.conn = conn
                 self.sent = None
@@ -331,7 +325,7 @@ class Supervisor:
                 if not self._write_due():
                     return True
             elif isinstance(msg, messages.RestoreFailed):
-                self.status["runtime"]["restore_failed"] = msg.message
+                self.status.runtime["restore_failed"] = msg.message
             else:
                 self.ranks.receive(conn, msg, now)
             self._rank_facts()
@@ -342,13 +336,13 @@ class Supervisor:
         """status.json from the coordinator (under the lock): the job's facts, and the ranks'
         processes, which the daemon kills if this supervisor dies."""
         assert self.ranks is not None
-        old = self.status["runtime"]
+        old = self.status.runtime
         rt = self.ranks.facts()
         for keep in ("rejected", "restore_failed"):
             if keep in old:
                 rt[keep] = old[keep]
-        self.status["runtime"] = rt
-        self.status["rank_pids"] = self.ranks.pid_records()
+        self.status.runtime = rt
+        self.status.rank_pids = self.ranks.pid_records()
 
     def _ranks_verdict(self) -> Optional[str]:
         """Why a multi-rank job's end is a failure whatever its exit code: the coordinator ended
@@ -389,35 +383,37 @@ class Supervisor:
         self.signal_group(signal.SIGTERM)
         if self.ranks is not None:
             self.ranks.kill_all()
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: messages.Request) -> bool:
         conn = self.conn
         if conn is None:
             return False
         try:
-            conn.sendall(channel.encode(msg))
+            conn.sendall(channel.encode(msg.wire()))
             return True
         except OSError:
             return False
 
     # -- reconcile desired vs actual --------------------------------------------------------
     def read_desired(self) -> None:
-        path = self.run_dir / "desired.json"
+        path = self.run_dir / rundir.DESIRED
         try:
             mtime = path.stat().st_mtime_ns
         except FileNotFoundError:
             return
         if mtime != self._desired_mtime:
             self._desired_mtime = mtime
-            self.desired = read_json(path) or self.desired
+            raw = read_json(path)
+            if raw:
+                self.desired = Desired.from_json(raw)
 
     def reconcile(self) -> None:
         """Level-triggered: compare desired with actual and make the one move that is missing."""
         d = self.desired
         changed = False
         with self.lock:
-            if self.child is None or self.status["exit"] is not None:
+            if self.child is None or self.status.exit is not None:
                 return
-            if d.get("cancel"):
+            if d.cancel:
                 if self.term_sent_at is None:
                     self.term_sent_at = time.monotonic()
                     self.signal_group(signal.SIGCONT)
@@ -426,11 +422,11 @@ class Supervisor:
                 elif time.monotonic() - self.term_sent_at > CANCEL_GRACE_S:
                     self.signal_group(signal.SIGKILL)
                 return
-            want_stop = bool(d.get("sigstop"))
-            if want_stop != self.status["stopped"]:
+            want_stop = d.sigstop
+            if want_stop != self.status.stopped:
                 self.signal_group(signal.SIGSTOP if want_stop else signal.SIGCONT)
                 self.log(f"{'SIGSTOP' if want_stop else 'SIGCONT'} sent to the job's process group")
-                self.status["stopped"] = want_stop
+                self.status.stopped = want_stop
                 changed = True
             if self.ranks is not None:    # the coordinator answers the daemon for every rank
                 now = time.time()
@@ -446,34 +442,31 @@ class Supervisor:
                 self.write_status()
             return
         with self.lock:
-            rt = self.status["runtime"]
+            rt = self.status.runtime
             state = rt.get("state")
             request: Optional[tuple[str, Optional[str]]] = None
-            if d.get("run") == "paused" and d.get("tier") in ("ram", "disk"):
-                if state == "running" or (state == "paused" and rt.get("tier") == "ram" and d["tier"] == "disk"):
-                    request = ("pause", d["tier"])
-            elif d.get("run") == "running" and (state == "paused" or (state == "running" and self.sent
+            if d.pause_tier is not None:
+                if state == "running" or (state == "paused" and rt.get("tier") == "ram" and d.pause_tier == "disk"):
+                    request = ("pause", d.pause_tier)
+            elif d.run == "running" and (state == "paused" or (state == "running" and self.sent
                                                                      and self.sent[0] == "pause")):
                 # Resume a parked job, or withdraw a pause the job has not reached a safepoint for
                 # (the daemon gave up waiting): left pending, it would park the job later anyway.
                 request = ("resume", None)
             if request is not None and request != self.sent:
-                msg: dict[str, Any] = {"op": request[0]}
-                if request[1] is not None:
-                    msg["tier"] = request[1]
-                if request[1] == "ram" and d.get("max_bytes") is not None:
-                    msg["max_bytes"] = d["max_bytes"]
+                msg = (messages.PauseRequest(tier=request[1], max_bytes=d.max_bytes if request[1] == "ram" else None)
+                       if request[1] is not None else messages.ResumeRequest())
                 if self.send(msg):
                     self.sent = request
-                    self.log(f"sent {msg}")
+                    self.log(f"sent {msg.wire()}")
         if changed:
             self.write_status()
 
     # -- main -------------------------------------------------------------------------------
     def run(self) -> int:
-        lock_fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        lock_fd = os.open(self.run_dir / rundir.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)          # held until we exit
-        if (self.run_dir / "status.json").exists():
+        if (self.run_dir / rundir.STATUS).exists():
             # A second supervisor for this generation (the daemon died after spawning the first but
             # before recording it, and spawned again): the first has run or is gone. Start nothing.
             return 0
@@ -498,7 +491,7 @@ class Supervisor:
         ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
         # Until none is left, in its session or among its ranks (torchrun's workers lead sessions of
         # their own): its GPUs are free only then.
-        while sessions.kill(pid, self.status.get("job_start_ticks")) + self._kill_rank_processes():
+        while sessions.kill(pid, self.status.job_start_ticks) + self._kill_rank_processes():
             time.sleep(POLL_S)
         rc = self.child.wait()
         sig = -rc if rc < 0 else None
@@ -508,9 +501,8 @@ class Supervisor:
                 f"signal {sig}" if sig else f"code {rc}"
             error = f"{ended} (main process: {how})"
         with self.lock:
-            self.status["exit"] = {"code": 128 + sig if sig else rc, "signal": sig, "error": error,
-                                   "time": time.time()}
-            self.status["runtime"]["connected"] = False
+            self.status.exit = ExitFacts(code=128 + sig if sig else rc, signal=sig, error=error, time=time.time())
+            self.status.runtime["connected"] = False
         while not self.write_status():   # the exit status must land; wait for room on the disk
             time.sleep(1.0)
         return 0

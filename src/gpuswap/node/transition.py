@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
+from gpuswap import processes
 from gpuswap.lifecycle import NewEvent
 from gpuswap.node import sessions
 from gpuswap.node.bandwidth import Bandwidths
@@ -77,7 +78,7 @@ class Applier:
                     self.bandwidths.observe(e.field, e.nbytes, e.seconds)
             elif isinstance(e, KillProcesses):
                 sessions.kill(e.session, e.start_ticks)
-                sessions.kill_pids(list(e.ranks))
+                processes.kill_pids(list(e.ranks))
                 if job_id not in self._killing:
                     self._killing.add(job_id)
                     log.warning("job %d: its supervisor died; killing the processes of its session %d",

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
 from gpuswap import fsutil
+from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
 
 FORMAT = "gpuswap-ckpt/1"
 FORMAT_PARTS = "gpuswap-ckpt/2"   # multi-rank: one part per rank (runtime/ckparts.py)
-ENV_RESTART = "GPUSWAP_RESTART_ON_BAD_CHECKPOINT"  # "1": no usable checkpoint -> start from step 0
 KEEP = 2
 _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
 _CHUNK = 8 << 20
@@ -282,9 +282,9 @@ def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ,
     if not rejected:
         return None, None, None
     why = "no usable checkpoint: " + "; ".join(rejected)
-    if env.get(ENV_RESTART, "").strip() == "1":
-        return None, None, f"{why}; restarted from step 0 as {ENV_RESTART}=1 asks"
-    raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {ENV_RESTART}=1 in the "
+    if env.get(RESTART_ON_BAD_CHECKPOINT, "").strip() == "1":
+        return None, None, f"{why}; restarted from step 0 as {RESTART_ON_BAD_CHECKPOINT}=1 asks"
+    raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {RESTART_ON_BAD_CHECKPOINT}=1 in the "
                              "job's environment to allow that)")
 
 

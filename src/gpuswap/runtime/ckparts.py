@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
 from gpuswap.runtime import checkpoint
 from gpuswap.runtime.checkpoint import CheckpointError, NoUsableCheckpoint
 
@@ -263,7 +264,7 @@ def choose(directory: str | os.PathLike | None, rank: int, world_size: int,
     if not rejected:
         return None, None
     why = "no usable checkpoint: " + "; ".join(rejected)
-    if env.get(checkpoint.ENV_RESTART, "").strip() == "1":
-        return None, f"{why}; restarted from step 0 as {checkpoint.ENV_RESTART}=1 asks"
-    raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {checkpoint.ENV_RESTART}=1 in "
+    if env.get(RESTART_ON_BAD_CHECKPOINT, "").strip() == "1":
+        return None, f"{why}; restarted from step 0 as {RESTART_ON_BAD_CHECKPOINT}=1 asks"
+    raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {RESTART_ON_BAD_CHECKPOINT}=1 in "
                              "the job's environment to allow that)")

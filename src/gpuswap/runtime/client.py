@@ -14,10 +14,10 @@ import sys
 import threading
 from typing import Any, Callable, Mapping
 
-from gpuswap.runtime import channel
+from gpuswap.protocol import env as envvars
+from gpuswap.protocol import channel
 
 USAGE_INTERVAL_S = 2.0
-ENV_USAGE_INTERVAL = "GPUSWAP_USAGE_INTERVAL_S"   # seconds between usage reports (tests shorten it)
 USAGE_INTERVAL_MIN_S, USAGE_INTERVAL_MAX_S = 0.001, 3600.0
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
@@ -27,7 +27,7 @@ SEND_TIMEOUT_S = 5.0
 def usage_interval(env: Mapping[str, str] = os.environ) -> float:
     """`$GPUSWAP_USAGE_INTERVAL_S` if it is a number of seconds in [0.001, 3600], else the default
     (with one line to stderr: a bad value must not stop training)."""
-    text = env.get(ENV_USAGE_INTERVAL, "").strip()
+    text = env.get(envvars.USAGE_INTERVAL_S, "").strip()
     if not text:
         return USAGE_INTERVAL_S
     try:
@@ -35,7 +35,7 @@ def usage_interval(env: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         value = float("nan")
     if not USAGE_INTERVAL_MIN_S <= value <= USAGE_INTERVAL_MAX_S:  # also false for nan
-        _log(f"ignoring {ENV_USAGE_INTERVAL}={text[:40]!r}: not a number of seconds in "
+        _log(f"ignoring {envvars.USAGE_INTERVAL_S}={text[:40]!r}: not a number of seconds in "
              f"[{USAGE_INTERVAL_MIN_S:g}, {USAGE_INTERVAL_MAX_S:g}]; using {USAGE_INTERVAL_S:g}")
         return USAGE_INTERVAL_S
     return value

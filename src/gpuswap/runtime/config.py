@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from gpuswap.runtime import channel
+from gpuswap.protocol.env import JobEnv
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,5 @@ class RuntimeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "RuntimeConfig":
-        return cls(
-            job_id=env.get(channel.ENV_JOB_ID) or None,
-            control=env.get(channel.ENV_CONTROL) or None,
-            ckpt_dir=env.get(channel.ENV_CKPT_DIR) or None,
-            simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
-        )
+        given = JobEnv.from_env(env)
+        return cls(job_id=given.job_id, control=given.control, ckpt_dir=given.ckpt_dir, simulated=given.simulated)

@@ -41,12 +41,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Protocol
 
+from gpuswap.protocol.env import PINNED_KEEP_S
+
 ALIGN = 64                  # each buffer's offset in its slab (any dtype's alignment)
 PAGE = mmap.PAGESIZE
 SLAB_BYTES = 256 << 20      # a new slab holds at most this much, unless one storage is larger:
                             # small enough that copies start early and several pin at once
 MAX_OVERHEAD = 1.25         # host bytes a layout may hold per parked byte before it is redone fresh
-ENV_KEEP = "GPUSWAP_PINNED_KEEP_S"
 DEFAULT_KEEP_S = 30.0
 MAX_KEEP_S = 3600.0
 # Faulting in and pinning fresh pages is CPU work (the kernel zeroes each page); the training
@@ -62,7 +63,7 @@ def _round(n: int, to: int) -> int:
 def keep_seconds(env: Any = os.environ) -> float:
     """How long an idle slab is kept, from `GPUSWAP_PINNED_KEEP_S` (0 to 3600; default 30)."""
     try:
-        value = float(env.get(ENV_KEEP, DEFAULT_KEEP_S))
+        value = float(env.get(PINNED_KEEP_S, DEFAULT_KEEP_S))
     except (TypeError, ValueError):
         return DEFAULT_KEEP_S
     return min(max(value, 0.0), MAX_KEEP_S) if value == value else DEFAULT_KEEP_S

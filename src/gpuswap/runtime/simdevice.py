@@ -37,7 +37,8 @@ import os
 import sys
 from typing import Mapping, Optional
 
-ENV_CONTEXT = "GPUSWAP_SIM_CONTEXT_BYTES"
+from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
+
 DEFAULT_CONTEXT_BYTES = 512 * 2**20
 
 _registered: Optional[int] = None       # bytes last registered by this process (None: not yet)
@@ -58,7 +59,7 @@ def bind(device: int) -> None:
 def context_bytes(env: Mapping[str, str] = os.environ) -> int:
     """The simulated context floor: $GPUSWAP_SIM_CONTEXT_BYTES (bytes, or a size such as 256MiB),
     else the default; a value that cannot be read is reported once and the default used."""
-    text = env.get(ENV_CONTEXT, "").strip()
+    text = env.get(SIM_CONTEXT_BYTES, "").strip()
     if not text:
         return DEFAULT_CONTEXT_BYTES
     from gpuswap.jobs import parse_size
@@ -69,7 +70,7 @@ def context_bytes(env: Mapping[str, str] = os.environ) -> int:
             return value
     except ValueError:
         pass
-    print(f"gpuswap: ignoring {ENV_CONTEXT}={text[:40]!r}: not a size; using {DEFAULT_CONTEXT_BYTES} bytes",
+    print(f"gpuswap: ignoring {SIM_CONTEXT_BYTES}={text[:40]!r}: not a size; using {DEFAULT_CONTEXT_BYTES} bytes",
           file=sys.stderr, flush=True)
     return DEFAULT_CONTEXT_BYTES
 
@@ -80,15 +81,15 @@ def hold(attached_bytes: int, simulated: bool) -> None:
     global _registered, _pid, _floor
     if not simulated:
         return
-    from gpuswap import simcuda
-
-    if not os.environ.get(simcuda.ENV_DIR):
+    if not os.environ.get(SIM_CUDA_DIR):
         return
     if _floor is None:
         _floor = context_bytes()
     total = _floor + max(0, int(attached_bytes))
     if total == _registered and _pid == os.getpid():
         return
+    from gpuswap import simcuda
+
     try:
         simcuda.allocate(total, device=_device)
     except (OSError, ValueError, IndexError) as exc:   # a bad CUDA_VISIBLE_DEVICES, a full disk

@@ -30,14 +30,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from gpuswap.protocol import env as envvars
+from gpuswap.protocol.env import JobEnv
 from gpuswap.runtime.config import RuntimeConfig
 
 if TYPE_CHECKING:
     from gpuswap.runtime.handle import Job
 
-ENV_ENABLE = "GPUSWAP_SLURM"             # "0" keeps the runtime off under Slurm
-ENV_SIGNALS = "GPUSWAP_SLURM_SIGNALS"    # e.g. "USR2,TERM" (default), "USR1", "none"
-ENV_REQUEUE = "GPUSWAP_SLURM_REQUEUE"    # "scontrol" (default) | "exit"
 DEFAULT_SIGNALS = "USR2,TERM"
 REQUEUE_TIMEOUT_S = 20.0
 REQUEUE_FROM = ("RUNNING", "SUSPENDED")  # job states in which a checkpointed job asks for requeue
@@ -45,7 +44,7 @@ REQUEUE_FROM = ("RUNNING", "SUSPENDED")  # job states in which a checkpointed jo
 
 def detect(env: Mapping[str, str] = os.environ) -> bool:
     """True inside a Slurm job, unless `$GPUSWAP_SLURM=0`."""
-    return bool(env.get("SLURM_JOB_ID")) and env.get(ENV_ENABLE, "1") not in ("0", "")
+    return bool(env.get("SLURM_JOB_ID")) and env.get(envvars.SLURM, "1") not in ("0", "")
 
 
 def default_ckpt_dir(env: Mapping[str, str] = os.environ) -> str:
@@ -63,8 +62,6 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
 def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | None":
     """The runtime's configuration for a Slurm job, or None outside Slurm (and for a multi-rank
     job that cannot be coordinated: it trains on as outside gpuswap, with one line saying why)."""
-    from gpuswap.runtime import channel
-
     if not detect(env):
         return None
     control = None
@@ -75,31 +72,30 @@ def config_from_env(env: Mapping[str, str] = os.environ) -> "RuntimeConfig | Non
         control = coordinator_address(who, env)
         if control is None:
             return None
+    given = JobEnv.from_env(env)
     return RuntimeConfig(
         job_id=env["SLURM_JOB_ID"],
         control=control,
-        ckpt_dir=env.get(channel.ENV_CKPT_DIR) or default_ckpt_dir(env),
-        simulated=env.get(channel.ENV_SIMULATED, "") not in ("", "0"),
+        ckpt_dir=given.ckpt_dir or default_ckpt_dir(env),
+        simulated=given.simulated,
         slurm=True,
     )
 
 
 def wrapped(env: Mapping[str, str] = os.environ) -> bool:
     """`gpuswap slurm-wrap` serves the coordinator (and gets the signals): it set $GPUSWAP_CONTROL."""
-    from gpuswap.runtime import channel
-
-    return bool(env.get(channel.ENV_CONTROL))
+    return bool(env.get(envvars.CONTROL))
 
 
 def coordinator_address(who: Any, env: Mapping[str, str] = os.environ) -> str | None:
     """Where a rank of a multi-rank Slurm job finds the coordinator: the wrapper's socket, else the
     one rank 0 serves in the job's private directory (every rank checks that directory is ours,
     creating it if it is the first). None, with the reason on stderr, if it cannot be coordinated."""
-    from gpuswap.runtime import channel, slurmcoord
+    from gpuswap.runtime import slurmcoord
 
     why = slurmcoord.why_not(env)
     if why is None and wrapped(env):
-        return env[channel.ENV_CONTROL]
+        return env[envvars.CONTROL]
     if why is None:
         try:
             step = env.get("SLURM_STEP_ID") or "batch"
@@ -159,7 +155,7 @@ def _requeue_after_commit(server: Any, config: "RuntimeConfig", env: Mapping[str
     requeue(config, env, owner=True)
 
 
-def parse_signals(text: str, source: str = ENV_SIGNALS) -> list[signal.Signals]:
+def parse_signals(text: str, source: str = envvars.SLURM_SIGNALS) -> list[signal.Signals]:
     """"USR2,TERM" / "SIGUSR2 15" -> signals; "none" or "" -> []. `source` (where the text came
     from) starts any error message."""
     out: list[signal.Signals] = []
@@ -240,7 +236,7 @@ _bridge: SignalBridge | None = None
 def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | None:
     """Route Slurm's preemption signals to a disk pause; called by `attach` under Slurm."""
     global _bridge
-    signals = parse_signals(env.get(ENV_SIGNALS, DEFAULT_SIGNALS))
+    signals = parse_signals(env.get(envvars.SLURM_SIGNALS, DEFAULT_SIGNALS))
     restarts = restart_count(env)
     rank = getattr(job, "world_size", 1) > 1
     by_wrapper = rank and wrapped(env)   # slurm-wrap gets the signals and coordinates the ranks
@@ -283,7 +279,7 @@ def requeue(config: "RuntimeConfig", env: Mapping[str, str] = os.environ, owner:
     """After a durable checkpoint: ask Slurm to requeue this job (unless told to leave it to
     Slurm). Returns whether `scontrol requeue` succeeded. A rank of a multi-rank job leaves this
     to the coordinator's owner (`owner=True`), so the job is requeued once."""
-    if env.get(ENV_REQUEUE, "scontrol") == "exit" or not (owner or _requeues_here):
+    if env.get(envvars.SLURM_REQUEUE, "scontrol") == "exit" or not (owner or _requeues_here):
         return False
     job_id = env.get("SLURM_JOB_ID") or config.job_id
     state = job_state(str(job_id))

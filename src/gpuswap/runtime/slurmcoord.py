@@ -4,7 +4,7 @@ Under Slurm there is no supervisor, so whoever receives the preemption signal fi
 to stop every rank at one step: `gpuswap slurm-wrap` (the parent of torchrun) runs this server,
 or, for `srun --ntasks N` jobs, the task with rank 0 runs it on a thread. Each rank connects to
 it exactly as it connects to a supervisor (`$GPUSWAP_CONTROL`), and the same `Coordinator` runs
-over the same per-rank connection table (`node/ranks.py`); a preemption signal becomes
+over the same per-rank connection table (`ranktable.py`); a preemption signal becomes
 `want("paused", "disk")`. Once the manifest is committed, `committed` is set: the owner requeues
 the job (docs/design/multi-rank.md section 9).
 
@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from gpuswap import processes
 from gpuswap.peercred import peer
-from gpuswap.runtime import channel
+from gpuswap.protocol import channel
+from gpuswap.protocol.env import SLURM_PAUSE_TIMEOUT_S
+from gpuswap.protocol.rundir import Desired
 
-ENV_TIMEOUT = "GPUSWAP_SLURM_PAUSE_TIMEOUT_S"   # a phase of the agreement that takes longer ends it
 DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.5
 
@@ -66,11 +68,11 @@ def private_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 def timeout_s(env: Mapping[str, str] = os.environ) -> float:
     try:
-        value = float(env.get(ENV_TIMEOUT, "") or DEFAULT_TIMEOUT_S)
+        value = float(env.get(SLURM_PAUSE_TIMEOUT_S, "") or DEFAULT_TIMEOUT_S)
     except ValueError:
         value = -1.0
     if not 1.0 <= value <= 86400.0:
-        print(f"gpuswap: ignoring {ENV_TIMEOUT}={env.get(ENV_TIMEOUT)!r}: not 1..86400 s; "
+        print(f"gpuswap: ignoring {SLURM_PAUSE_TIMEOUT_S}={env.get(SLURM_PAUSE_TIMEOUT_S)!r}: not 1..86400 s; "
               f"using {DEFAULT_TIMEOUT_S:g}", file=sys.stderr, flush=True)
         return DEFAULT_TIMEOUT_S
     return value
@@ -87,7 +89,7 @@ class CoordServer:
     while the others were writing their parts, or a phase outlived the timeout."""
 
     def __init__(self, path: Path, timeout: float, on_kill: Callable[[str], None]) -> None:
-        from gpuswap.node.ranks import RankTable   # pydantic and the node side: only when coordinating
+        from gpuswap.runtime.ranktable import RankTable   # pydantic: only when coordinating
 
         self.path = path
         self.lock = threading.RLock()
@@ -137,7 +139,7 @@ class CoordServer:
                 return None
             told = coord.error_at
             self.table._wanted = None     # a new signal is a new request, even after a withdrawn one
-            self.table.want({"run": "paused", "tier": "disk"}, time.time())
+            self.table.want(Desired(run="paused", tier="disk"), time.time())
             if coord.phase == "running" and coord.error_at != told:
                 return coord.error      # refused (RankTable said why)
             waiting = coord.pausable() if coord.phase == "running" else None
@@ -148,9 +150,7 @@ class CoordServer:
         """SIGKILL every process that was a rank (torchrun's workers lead sessions of their own)."""
         with self.lock:
             procs = [p for p in self.table.processes.values() if p.pid != but]
-        from gpuswap.node import sessions
-
-        return sessions.kill_pids([(p.pid, p.start_ticks) for p in procs])
+        return processes.kill_pids([(p.pid, p.start_ticks) for p in procs])
 
     # -- threads ---------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -168,7 +168,7 @@ class CoordServer:
             threading.Thread(target=self._read, args=(conn, pid), daemon=True, name="gpuswap-coord-rank").start()
 
     def _read(self, conn: socket.socket, pid: int) -> None:
-        from gpuswap.node import messages
+        from gpuswap.protocol import messages
 
         try:
             for line in channel.read_lines(conn, messages.MAX_LINE):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuswap.demo.train import N_FEATURES
+from gpuswap.protocol import env as envvars
 
 BYTES_PER_PARAM = 16          # float32 parameter + gradient + AdamW exp_avg + exp_avg_sq
 STEPS, HOLD_AT = 24, 10       # held at step 10; a job restored from a checkpoint there still has steps to run
@@ -97,7 +98,7 @@ def reference_env(simulated: bool, gpu_uuid: Optional[str]) -> dict[str, str]:
     daemon names it to its jobs), or the CPU that stands in for a simulated GPU."""
     env = job_env()
     if simulated:
-        env["GPUSWAP_SIMULATED_GPU"] = "1"     # the demo script and the plain job then use the CPU
+        env[envvars.SIMULATED] = "1"     # the demo script and the plain job then use the CPU
     elif gpu_uuid:
         env.update(CUDA_VISIBLE_DEVICES=gpu_uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID")
     return env

@@ -28,7 +28,8 @@ import psutil
 
 from gpuswap.api.client import ClientError
 from gpuswap.demo.story import real_gpu_count
-from gpuswap.jobs import ENV_HOME, format_size
+from gpuswap.jobs import format_size
+from gpuswap.protocol import env as envvars
 from gpuswap.selftest import jobs, measure
 from gpuswap.selftest.checks import evaluate
 from gpuswap.selftest.harness import Failure, PendingReference, PrivateDaemon, Reference
@@ -40,8 +41,6 @@ DEFAULT_SIZE_GIB = 4.0
 SIMULATED_SIZE_GIB = 1 / 16          # 64 MiB of CPU tensors: what CI can afford
 MAX_SIMULATED = 8                    # simulated GPUs: enough to test placement (each below held by a placeholder)
 ALL = ("ram", "disk", "transparent")
-# Test seam: the uninterrupted references run with another seed, so every hash check must fail.
-WRONG_REFERENCE_ENV = "GPUSWAP_SELFTEST_WRONG_REFERENCE"
 
 
 class UsageProblem(Exception):
@@ -102,7 +101,7 @@ def run(opts: Options) -> Report:
 def _make_home() -> Path:
     """A fresh directory inside $GPUSWAP_HOME when set (the disk tier is then the one the machine's
     daemon parks to), else in the system's temporary directory, as `gpuswap demo` does."""
-    base = Path(os.environ[ENV_HOME]).expanduser() if os.environ.get(ENV_HOME) else None
+    base = Path(os.environ[envvars.HOME]).expanduser() if os.environ.get(envvars.HOME) else None
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="gpuswap-selftest-", dir=base))
@@ -132,7 +131,7 @@ class Story:
         if not self._room(g, info):
             return g
         self.daemon.hold_gpus_below(n)
-        seed = jobs.SEED + (1 if os.environ.get(WRONG_REFERENCE_ENV) == "1" else 0)
+        seed = jobs.SEED + (1 if os.environ.get(envvars.SELFTEST_WRONG_REFERENCE) == "1" else 0)
         base = self.daemon.work / f"gpu{n}"
         hidden = jobs.hidden_for(self.size)
         coop_ref = plain_ref = None          # both run beside the floor probe, off every timed window

@@ -8,33 +8,13 @@ supervisor is the server: it outlives daemon restarts, so a job parked in RAM ne
 daemon going away. Messages are small and infrequent; the hot path (`safepoint`) never touches
 the socket, it only reads a flag that the runtime's reader thread sets.
 
-runtime -> supervisor
-  {"op": "hello", "pid": int, "device_bytes": int, "restored_step": int|null,
-   "restored_bytes": int, "restore_s": float|null,   # the checkpoint restored at attach, and its time
-   "restore_note": str|null}   # newer checkpoints skipped (and why), or a requested restart from 0
-  {"op": "restore_failed", "message": str}
-      # checkpoints exist but none is usable and GPUSWAP_RESTART_ON_BAD_CHECKPOINT is not 1: sent on
-      # a one-off connection before attach returns; the job then exits 1 (the daemon: FAILED)
-  {"op": "usage", "device_bytes": int, "step": int|null}          # periodic, for accounting;
-      # device_bytes as measured at the last safepoint (never walked from another thread)
-  {"op": "paused", "tier": "ram", "bytes": int, "seconds": float, "step": int}
-  {"op": "resumed", "bytes": int, "seconds": float}
-  {"op": "checkpointed", "path": str, "bytes": int, "seconds": float, "step": int, "note": str?}
-      # then the process exits with gpuswap.jobs.REQUEUE_EXIT_CODE; `note`: why a RAM pause
-      # became a disk park (over the RAM budget, or a CUDA graph that pins device addresses)
-  {"op": "error", "message": str}                                  # a park failed; job runs on
-
-A rank of a multi-rank job (world_size > 1) adds to its hello "rank", "world_size", "local_rank",
-"epoch", "state" (where its cursor stands) and "ram_refusal", and then speaks the common-step
-agreement of runtime/agreement.py instead of the single-rank pause/resume above: it sends mark,
-hold, ready, paused, unparked, resumed, error (each with the attempt's "epoch") and done; it
-receives pause, target, park, resume, regroup, release (node/messages.py validates each).
-
-supervisor -> runtime
-  {"op": "pause", "tier": "ram"|"disk", "max_bytes": int?}
-      # max_bytes (ram only): what the host-RAM budget has left; a job holding more parks to
-      # disk instead (or reports an error if it has no checkpoint directory)
-  {"op": "resume"}
+The messages are typed in messages.py, their one definition: what the runtime sends (hello,
+usage, paused, resumed, checkpointed, error, restore_failed; a rank of a multi-rank job also mark,
+hold, ready, unparked, part, committed, done), validated there where the supervisor receives them,
+and the supervisor's pause and resume. A multi-rank job's ranks receive the common-step agreement's
+messages instead (pause, target, park, commit, exit, resume, regroup, release: runtime/agreement.py).
+The runtime builds what it sends as plain dicts of those fields: it stays free of pydantic until
+it must parse (a job imports it at `attach`).
 """
 from __future__ import annotations
 
@@ -42,11 +22,6 @@ import json
 import os
 import socket
 from typing import Any, Iterator, Optional
-
-ENV_JOB_ID = "GPUSWAP_JOB_ID"
-ENV_CONTROL = "GPUSWAP_CONTROL"          # control socket path
-ENV_CKPT_DIR = "GPUSWAP_CKPT_DIR"        # where disk checkpoints of this job live
-ENV_SIMULATED = "GPUSWAP_SIMULATED_GPU"  # "1": no real GPU; attached CPU tensors stand for device memory
 
 MAX_LINE = 1 << 20
 

@@ -3,9 +3,10 @@
 Everything on the control socket comes from the job, and the supervisor (root) copies it into
 `status.json`, which the daemon folds into SQLite. An unbounded integer there (SQLite INTEGER is
 64-bit) once made every controller tick fail for every user. So each control message is validated
-here where it is received (`parse`), and the runtime facts are validated again where the daemon
-reads them back (`runtime_facts`): a supervisor of an older version, still running across an
-upgrade, may have written anything. A value that fails costs its job (ignored), never the loop.
+here where it is received (`parse`), and the runtime facts are validated again, with the same
+bounds, where the daemon reads them back (status.py): a supervisor of an older version, still
+running across an upgrade, may have written anything. A value that fails costs its job (ignored),
+never the loop. The framing (one JSON object per line) is channel.py's.
 """
 from __future__ import annotations
 
@@ -81,8 +82,33 @@ RankStateName = Literal["running", "holding", "ready", "parked", "unparked", "wr
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    def wire(self) -> dict[str, Any]:
+        """The JSON object sent on the channel (channel.encode): a field left None is left out."""
+        return self.model_dump(exclude_none=True)
+
+
+# -- supervisor -> runtime, single-rank (a multi-rank job's are runtime/agreement.py's) -------------
+class PauseRequest(_Msg):
+    op: Literal["pause"] = "pause"
+    tier: TierName
+    # ram only: what the host-RAM budget has left (the daemon's); a job holding more parks to disk
+    # instead (or reports an error if it has no checkpoint directory)
+    max_bytes: Optional[StrictInt] = None
+
+
+class ResumeRequest(_Msg):
+    """Resume a parked job, or withdraw a pause it has not reached a safepoint for."""
+    op: Literal["resume"] = "resume"
+
+
+Request = Union[PauseRequest, ResumeRequest]
+
+
+# -- job -> supervisor: validated where received (`parse`) ----------------------------------------
+
 
 class Hello(_Msg):
+    """The runtime attached (and again on every reconnect): what it holds and what it restored."""
     op: Literal["hello"]
     pid: Optional[Pid] = None
     device_bytes: Bytes = 0
@@ -102,6 +128,8 @@ class Hello(_Msg):
 
 
 class Usage(_Msg):
+    """Periodic, for accounting: device_bytes as measured at the last safepoint (never walked from
+    another thread)."""
     op: Literal["usage"]
     device_bytes: Bytes = 0
     step: Step = None
@@ -126,6 +154,7 @@ class Resumed(_Msg):
 
 
 class Checkpointed(_Msg):
+    """A disk park is written; the process then exits with gpuswap.jobs.REQUEUE_EXIT_CODE."""
     op: Literal["checkpointed"]
     path: Optional[FsPath] = None
     bytes: Bytes = 0
@@ -135,13 +164,15 @@ class Checkpointed(_Msg):
 
 
 class Error(_Msg):
+    """A park (or a rank's step of one) failed; the job runs on."""
     op: Literal["error"]
     epoch: Optional[Epoch] = None
     message: Text = ""
 
 
 class RestoreFailed(_Msg):
-    """No usable checkpoint and no restart asked for: the job exits 1 right after (docs/runtime.md)."""
+    """No usable checkpoint and no restart asked for (GPUSWAP_RESTART_ON_BAD_CHECKPOINT is not 1):
+    sent on a one-off connection before attach returns; the job exits 1 right after (docs/runtime.md)."""
     op: Literal["restore_failed"]
     message: Note = "no usable checkpoint"
 
@@ -231,84 +262,3 @@ def parse(line: bytes) -> Message:
         err = e.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(p) for p in err["loc"][1:] if p)
         raise BadMessage(f"{where + ': ' if where else ''}{err['msg']}"[:200]) from None
-
-
-class RankFact(BaseModel):
-    """One rank as status.json lists it (the coordinator's record; `show` prints it)."""
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    rank: Rank
-    pid: Optional[Pid] = None
-    connected: StrictBool = False
-    state: RankStateName = "running"
-    tick: Optional[Tick] = None
-    step: Step = None
-    device_bytes: Bytes = 0
-    ram_refusal: Optional[Text] = None
-
-
-# The runtime facts the supervisor keeps in status.json["runtime"], as the daemon may use them.
-_FACTS: dict[str, TypeAdapter[Any]] = {
-    name: TypeAdapter(kind) for name, kind in {
-        "connected": StrictBool, "attached": StrictBool,
-        "state": Optional[Literal["running", "paused", "checkpointed"]], "tier": Optional[TierName],
-        "pid": Optional[Pid], "device_bytes": Bytes, "bytes": Bytes, "step": Step,
-        "restored_step": Step, "restored_bytes": Optional[Bytes], "restore_s": Optional[Seconds],
-        "pause_s": Optional[Seconds], "resume_s": Optional[Seconds], "ckpt_path": Optional[FsPath],
-        "group_teardown_s": Optional[Seconds], "group_rebuild_s": Optional[Seconds],
-        "error": Text, "error_at": Timestamp, "rejected": Bytes,
-        "restore_note": Optional[Note], "restore_failed": Note, "ckpt_note": Optional[Text],
-        "restored_seq": Optional[Seq],
-        "world_size": Optional[WorldSize], "phase": Optional[Text], "not_pausable": Optional[Text],
-        "ranks": Annotated[list[RankFact], Field(max_length=MAX_WORLD)],
-    }.items()
-}
-
-
-def runtime_facts(raw: Any) -> dict[str, Any]:
-    """status.json's `runtime` with every field that is absent or invalid left out."""
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for name, adapter in _FACTS.items():
-        if name in raw:
-            try:
-                value = adapter.validate_python(raw[name], strict=None)
-                out[name] = [r.model_dump() for r in value] if name == "ranks" else value
-            except ValidationError:
-                pass
-    return out
-
-
-def exit_facts(raw: Any) -> Optional[dict[str, Any]]:
-    """status.json's `exit` (written by the supervisor itself), each field checked all the same."""
-    if not isinstance(raw, dict):
-        return None
-    code, sig, error = raw.get("code"), raw.get("signal"), raw.get("error")
-    return {
-        "code": code if _small_int(code) else None,
-        "signal": sig if _small_int(sig) and 0 < sig < 128 else None,
-        "error": error[:MAX_TEXT] if isinstance(error, str) and error else None,
-        "time": raw.get("time") if isinstance(raw.get("time"), (int, float)) else None,
-    }
-
-
-def rank_pids(raw: Any) -> list[tuple[int, Optional[int]]]:
-    """status.json's `rank_pids` (the processes of a multi-rank job's ranks, by the kernel's
-    SO_PEERCRED pid, with their start ticks): (pid, start ticks) for each valid entry."""
-    out: list[tuple[int, Optional[int]]] = []
-    for r in raw[:MAX_WORLD * 4] if isinstance(raw, list) else []:
-        if not isinstance(r, dict) or pid_or_none(r.get("pid")) is None:
-            continue
-        ticks = r.get("start_ticks")
-        ok = isinstance(ticks, int) and not isinstance(ticks, bool) and 0 <= ticks < 2**63
-        out.append((r["pid"], ticks if ok else None))
-    return out
-
-
-def pid_or_none(v: Any) -> Optional[int]:
-    """A job pid read back from status.json, if it is one."""
-    return v if _small_int(v) and 1 <= v <= MAX_PID else None
-
-
-def _small_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31

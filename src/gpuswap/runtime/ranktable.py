@@ -1,7 +1,9 @@
-"""The supervisor's side of a multi-rank job: one control connection per rank, and the coordinator.
+"""The coordinator's side of a multi-rank job: one control connection per rank, and the coordinator.
 
-The protocol is `runtime/agreement.py` (pure: facts in, `Send`/`Kill` effects out); this module is
-the socket side of it. Each connection is tied to the rank its `hello` named, and to the process
+Run by the job's supervisor (node/supervisor.py) or, under Slurm, inside the job
+(runtime/slurmcoord.py); here, below both, so the runtime never imports the daemon's side. The
+protocol is `agreement.py` (pure: facts in, `Send`/`Kill` effects out); this module is the socket
+side of it. Each connection is tied to the rank its `hello` named, and to the process
 the *kernel* says is at its other end (SO_PEERCRED pid, with its start time so a reused pid is
 never taken for it). Those processes are what the supervisor and the daemon kill when the job
 ends or cannot go on: torchrun starts each worker as a session leader of its own, outside the
@@ -18,8 +20,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from gpuswap.node import messages, sessions
-from gpuswap.runtime import channel
+from gpuswap import processes
+from gpuswap.protocol import channel, messages
+from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
 
 
@@ -60,7 +63,7 @@ class RankTable:
             self.conns.pop(old, None)
         self.conns[conn], self.by_rank[rank] = rank, conn
         if peer_pid is not None and peer_pid not in self.processes:
-            self.processes[peer_pid] = RankProcess(rank, peer_pid, sessions.start_ticks(peer_pid))
+            self.processes[peer_pid] = RankProcess(rank, peer_pid, processes.start_ticks(peer_pid))
         self.restored[rank] = msg
         self.route(effects)
         other = next((h for r, h in sorted(self.restored.items()) if h.restored_seq != msg.restored_seq), None)
@@ -85,16 +88,15 @@ class RankTable:
     def poll(self, now: float) -> None:
         self.route(self.coord.poll(now))
 
-    def want(self, desired: dict[str, Any], now: float) -> None:
+    def want(self, desired: Desired, now: float) -> None:
         """The daemon's desired.json, given to the coordinator when it changed (the coordinator
         withdraws a failed attempt and waits to be asked again: a repeated `want` would loop)."""
-        run, tier, cap = desired.get("run"), desired.get("tier"), desired.get("max_bytes")
-        key = (run, tier, cap if isinstance(cap, int) else None)
+        key = (desired.run, desired.tier, desired.max_bytes)
         if key == self._wanted:
             return
         self._wanted = key
-        if run == "paused" and tier in ("ram", "disk"):
-            self.route(self.coord.want("paused", tier, now, max_bytes=key[2]))
+        if desired.pause_tier is not None:
+            self.route(self.coord.want("paused", desired.pause_tier, now, max_bytes=desired.max_bytes))
         else:
             self.route(self.coord.want("running", None, now))
 
@@ -147,7 +149,7 @@ class RankTable:
 
     def kill_all(self) -> int:
         """SIGKILL every process that was a rank and still is; how many were alive."""
-        return sessions.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()])
+        return processes.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()])
 
 
 def _seq(seq: Optional[int]) -> str:

@@ -1,0 +1,216 @@
+"""The typed records of gpuswap.protocol, without processes: what the daemon, the supervisor and the
+runtime write reads back the same; what an older supervisor (or a hostile job through it) left in
+status.json costs the fields that fail, never the record; the wire bytes stay what they were."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import gpuswap
+from gpuswap.node.launcher import Observation
+from gpuswap.protocol import channel, env, rundir
+from gpuswap.protocol.env import JobEnv
+from gpuswap.protocol.status import (ExitFacts, RankFact, RuntimeFacts, SupervisorReport, SupervisorStatus,
+                                     runtime_facts)
+from gpuswap.protocol.messages import MAX_TEXT, PauseRequest, ResumeRequest
+from gpuswap.protocol.rundir import Desired, Spawned, Spec
+from gpuswap.runtime.config import RuntimeConfig
+
+SRC = Path(gpuswap.__file__).parent
+
+# What the single-rank supervisor folds into status.json["runtime"] after a hello, a RAM park and
+# a failed spill (node/supervisor.py's on_message), and a multi-rank one's (runtime/ranktable.py's facts).
+SINGLE = {"connected": True, "attached": True, "state": "paused", "tier": "ram", "pid": 4242,
+          "device_bytes": 0, "bytes": 3 << 30, "step": 120, "restored_step": 100, "restored_bytes": 1 << 30,
+          "restore_s": 0.5, "restore_note": "ckpt-000002 skipped: bad checksum", "pause_s": 1.25,
+          "error": "disk full", "error_at": 1_700_000_000.5, "rejected": 3}
+MULTI = {"state": "checkpointed", "phase": "checkpointed", "world_size": 2, "attached": True, "connected": False,
+         "device_bytes": 0, "tier": "disk", "bytes": 20, "ckpt_path": "/ck/ckpt-000001.json", "step": 5,
+         "group_teardown_s": 0.25, "ckpt_note": "RAM park refused: an FSDP1 module", "restored_seq": 4,
+         "not_pausable": "rank 1 finished training", "target_tick": 6, "epoch": 1,
+         "ranks": [{"rank": 0, "pid": 11, "connected": False, "state": "written", "tick": 6, "step": 5,
+                    "device_bytes": 0, "ram_refusal": "an FSDP1 module"},
+                   {"rank": 1, "pid": 12, "connected": False, "state": "gone", "tick": 6, "step": 5,
+                    "device_bytes": 0, "ram_refusal": None}]}
+
+
+@pytest.mark.parametrize("written", [SINGLE, MULTI])
+def test_runtime_facts_read_back_what_the_supervisor_wrote(written):
+    facts = runtime_facts(json.loads(json.dumps(written)))      # through the file's JSON
+    for name, value in written.items():
+        if name in RuntimeFacts.model_fields:
+            got = getattr(facts, name)
+            if name == "ranks":
+                got = [r.model_dump() for r in got]
+            assert got == value, name
+    assert facts.multi_rank == (written is MULTI)
+    assert not hasattr(facts, "target_tick")          # the coordinator's own fields: not the daemon's
+
+
+def test_absent_runtime_facts_are_none():
+    for raw in ({}, None, [], "running", 7):
+        facts = runtime_facts(raw)
+        assert all(getattr(facts, name) is None for name in RuntimeFacts.model_fields), raw
+        assert not facts.multi_rank
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("device_bytes", 2**64), ("device_bytes", -1), ("device_bytes", "1GiB"), ("bytes", 1.5),
+    ("state", "exploded"), ("tier", "tape"), ("attached", "yes"), ("connected", 1),
+    ("pid", 0), ("pid", 2**40), ("restore_s", float("inf")), ("pause_s", -1.0), ("pause_s", True),
+    ("error_at", 1e300), ("ckpt_path", "/x" * 4096), ("world_size", 5000), ("world_size", 0),
+    ("restored_seq", 0), ("error", 7), ("ranks", [{"rank": 0, "device_bytes": 2**60}]),
+    ("ranks", [{"rank": 0}] * 1025), ("ranks", {"0": {"rank": 0}}), ("step", "7"),
+])
+def test_a_hostile_field_is_dropped_the_others_kept(field, bad):
+    """An older supervisor copied the job's values into status.json unchecked: the field that fails
+    is None, and every other field of the record still reads."""
+    facts = runtime_facts(dict(SINGLE, **{field: bad}))
+    assert getattr(facts, field) is None
+    for name, value in SINGLE.items():
+        if name != field:
+            assert getattr(facts, name) == value, name
+
+
+def test_long_texts_are_cut_not_dropped():
+    facts = runtime_facts({"error": "e" * 10_000, "restore_note": "n" * 10_000, "phase": "p" * 10_000})
+    assert facts.error == "e" * MAX_TEXT and facts.phase == "p" * MAX_TEXT
+    assert 0 < len(facts.restore_note) < 10_000
+
+
+def test_what_the_supervisor_writes_the_daemon_reads(tmp_path):
+    st = SupervisorStatus(job_id=7, generation=1, supervisor_pid=10, started_at=1.0)
+    # the keys of a fresh status.json, as every release wrote them
+    assert set(st.to_json()) == {"job_id", "generation", "supervisor_pid", "job_pid", "started_at", "runtime",
+                                 "stopped", "exit"}
+    assert SupervisorReport.parse(st.to_json()) == SupervisorReport(runtime=RuntimeFacts(connected=False,
+                                                                                         attached=False))
+    st.job_pid, st.job_start_ticks, st.stopped = 1234, 99, True
+    st.runtime.update(SINGLE)
+    st.exit = ExitFacts(code=75, signal=None, error=None, time=5.0)
+    st.rank_pids = [{"rank": 0, "pid": 11, "start_ticks": 3}]
+    (tmp_path / rundir.STATUS).write_text(json.dumps(st.to_json()))
+    got = SupervisorReport.parse(json.loads((tmp_path / rundir.STATUS).read_text()))
+    assert got == SupervisorReport(job_pid=1234, job_start_ticks=99, stopped=True, exit=st.exit,
+                                   runtime=runtime_facts(SINGLE), rank_pids=((11, 3),))
+    assert st.to_json()["exit"] == {"code": 75, "signal": None, "error": None, "time": 5.0}
+
+
+def test_status_json_of_an_older_supervisor_still_reads():
+    """Written before job_start_ticks and rank_pids existed, with a field since dropped."""
+    old = {"job_id": 3, "generation": 1, "supervisor_pid": 99, "job_pid": 1234, "started_at": 1.0,
+           "runtime": {"connected": True, "attached": True, "state": "running", "device_bytes": 5},
+           "stopped": False, "exit": {"code": 75, "signal": None, "time": 12.5}, "something_old": [1, 2]}
+    report = SupervisorReport.parse(old)
+    assert (report.job_pid, report.job_start_ticks, report.stopped, report.rank_pids) == (1234, None, False, ())
+    assert report.exit == ExitFacts(code=75, signal=None, error=None, time=12.5)
+    assert report.runtime.device_bytes == 5 and report.runtime.state == "running"
+    obs = Observation(old, True, 0.0)
+    assert (obs.job_pid, obs.exit.code, obs.runtime.attached, obs.stopped, obs.rank_pids) == (1234, 75, True, False, [])
+
+
+def test_a_hostile_status_json_gives_an_empty_report_field_by_field():
+    raw = {"job_pid": 2**40, "job_start_ticks": -5, "stopped": "yes", "runtime": ["not", "a", "dict"],
+           "exit": {"code": 2**40, "signal": 300, "error": 5, "time": "soon"},
+           "rank_pids": [{"pid": 5, "start_ticks": 9}, {"pid": "x"}, {"pid": 2**40}, 7, {"pid": 6, "start_ticks": -1}]}
+    report = SupervisorReport.parse(raw)
+    assert (report.job_pid, report.job_start_ticks, report.stopped) == (None, None, False)
+    assert report.exit == ExitFacts()
+    assert report.runtime == RuntimeFacts()
+    assert report.rank_pids == ((5, 9), (6, None))
+    for junk in (None, [], "x", 3):
+        assert SupervisorReport.parse(junk) == SupervisorReport()
+        assert Observation(junk, False, None).exit is None
+
+
+def test_desired_round_trip_and_the_keys_an_older_supervisor_reads(tmp_path):
+    d = Desired(run="paused", tier="ram", sigstop=False, cancel=False, max_bytes=1 << 30)
+    rundir.write(tmp_path, rundir.DESIRED, d)
+    raw = json.loads((tmp_path / rundir.DESIRED).read_text())
+    # the keys (and values) every released supervisor reads with d.get(...)
+    assert raw == {"run": "paused", "tier": "ram", "sigstop": False, "cancel": False, "max_bytes": 1 << 30}
+    assert rundir.read_desired(tmp_path) == d and d.pause_tier == "ram"
+    assert Desired.from_json({"run": "running"}) == Desired()     # what launch wrote before
+    assert Desired.from_json({"run": "paused", "tier": None}).pause_tier is None
+    assert Desired.from_json({"run": 5, "tier": 3, "sigstop": 1, "max_bytes": "9"}) == Desired(sigstop=True)
+    assert Desired.from_json(None) == Desired() and rundir.read_desired(tmp_path / "none") is None
+
+
+def test_spec_and_spawned_round_trip(tmp_path):
+    spec = Spec(job_id=7, generation=2, argv=["python", "train.py"], cwd="/home/u", env={"A": "1"},
+                extra_env=JobEnv(job_id="7", control="/h/jobs/7/run-2/control").to_env(), uid=1000, gid=1000,
+                log_path="/h/jobs/7/output.log", control="/h/jobs/7/run-2/control", groups=[1000, 27],
+                pause_timeout_s=90.0)
+    rundir.write(tmp_path, rundir.SPEC, spec)
+    assert rundir.read_spec(tmp_path) == spec
+    older = {k: v for k, v in spec.to_json().items() if k not in ("groups", "pause_timeout_s")}
+    assert Spec.from_json(dict(older, retired_field=1)) == Spec(**older, groups=[], pause_timeout_s=60.0)
+    rundir.write(tmp_path, rundir.SPAWNED, Spawned(pid=321, time=5.5))
+    assert rundir.read_spawned(tmp_path) == Spawned(pid=321, time=5.5)
+    assert Spawned.from_json({"pid": 1}) is None and rundir.read_spawned(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("given", [
+    JobEnv(job_id="12", control="/h/jobs/12/run-1/control", ckpt_dir="/h/jobs/12/ckpt"),
+    JobEnv(job_id="3", control="@peer", ckpt_dir="/c", simulated=True, sim_cuda_dir="/h/simulated-driver"),
+    JobEnv(),
+])
+def test_job_env_is_what_the_runtime_reads_back(given):
+    assert JobEnv.from_env(given.to_env()) == given
+    config = RuntimeConfig.from_env(given.to_env())
+    assert (config.job_id, config.control, config.ckpt_dir, config.simulated) == \
+        (given.job_id, given.control, given.ckpt_dir, given.simulated)
+
+
+def test_job_env_empty_and_zero_are_unset():
+    got = JobEnv.from_env({env.JOB_ID: "", env.CONTROL: "", env.SIMULATED: "0", env.SIM_CUDA_DIR: ""})
+    assert got == JobEnv()
+    assert JobEnv.from_env({env.SIMULATED: "yes"}).simulated
+
+
+def test_the_supervisors_requests_keep_their_bytes():
+    """A runtime of the previous release reads these lines (a job keeps running across an upgrade)."""
+    assert channel.encode(PauseRequest(tier="ram", max_bytes=5).wire()) == b'{"op":"pause","tier":"ram","max_bytes":5}\n'
+    assert channel.encode(PauseRequest(tier="disk").wire()) == b'{"op":"pause","tier":"disk"}\n'
+    assert channel.encode(ResumeRequest().wire()) == b'{"op":"resume"}\n'
+
+
+def test_every_environment_name_in_the_source_is_defined_in_protocol_env():
+    defined = {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)}
+    used = set()
+    for path in SRC.rglob("*.py"):
+        used |= set(re.findall(r"\"(GPUSWAP_[A-Z0-9_]+)\"", path.read_text()))
+    assert used and used <= defined, sorted(used - defined)
+    assert not [p for p in SRC.rglob("*.py") if p.name != "env.py"
+                and re.search(r"^\w+ = \"GPUSWAP_", p.read_text(), re.M)], "a name defined outside protocol/env.py"
+
+
+def test_a_rank_fact_is_the_record_show_prints():
+    r = RankFact(rank=1, pid=12, state="parked", device_bytes=5)
+    assert runtime_facts({"ranks": [r.model_dump()]}).ranks == (r,)
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize("package, below", [
+    ("protocol", ("gpuswap.node", "gpuswap.runtime", "gpuswap.policy", "gpuswap.api", "gpuswap.cli")),
+    ("runtime", ("gpuswap.node", "gpuswap.api", "gpuswap.cli")),
+])
+def test_layers_point_down_to_the_protocol(package, below):
+    """The runtime shares what it shares with the daemon's side through the protocol (and the rank
+    table, processes.py), never by importing node/; the protocol imports neither."""
+    bad = sorted(f"{path.relative_to(SRC)}: {name}" for path in (SRC / package).rglob("*.py")
+                 for name in _imports(path) if name.startswith(below))
+    assert not bad, bad
