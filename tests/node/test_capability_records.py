@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from gpuswap.node.freezer import job_parkability, mechanism_for, tiers_for
-from gpuswap.node.messages import RankFact
+from gpuswap.protocol.status import RankFact, runtime_facts
 from gpuswap.node.observe import Observer
 from gpuswap.node.snapshot import job_view
 from gpuswap.node.store import NewJob, Store
@@ -62,23 +62,24 @@ def test_a_multi_rank_job_is_never_offered_the_driver(tmp_path):
 def test_the_runtimes_world_size_becomes_the_jobs_width(tmp_path):
     store, job_id = _record(tmp_path)
     observer = Observer(store, None, None, None, 60.0, "wait")
-    observer._track_usage(store.get(job_id), {"attached": True, "world_size": 4}, time.time())
+    observer._track_usage(store.get(job_id), runtime_facts({"attached": True, "world_size": 4}), time.time())
     assert store.get(job_id).width == 4
     for bad in (0, 5000, True, "8", None):          # out of bounds or not a number: ignored
-        observer._track_usage(store.get(job_id), {"world_size": bad}, time.time())
+        observer._track_usage(store.get(job_id), runtime_facts({"world_size": bad}), time.time())
         assert store.get(job_id).width == 4
 
 
 def test_a_ranks_ram_refusal_makes_the_job_disk_only_and_says_why(tmp_path):
     store, job_id = _record(tmp_path)
     observer = Observer(store, None, None, None, 60.0, "wait")
-    # as the supervisor's status.json lists them once node/messages.py has validated them
+    # as the supervisor's status.json lists them once protocol/status.py has validated them
     ranks = [RankFact(rank=0).model_dump(), RankFact(rank=1, ram_refusal="FSDP1 module").model_dump()]
-    observer._track_usage(store.get(job_id), {"attached": True, "world_size": 2, "ranks": ranks}, time.time())
+    observer._track_usage(store.get(job_id), runtime_facts({"attached": True, "world_size": 2, "ranks": ranks}),
+                          time.time())
     j = store.get(job_id)
     assert j.ram_refusal == "rank 1: FSDP1 module"
     assert tiers_for(j, False) == frozenset({"disk"})
     assert job_view(j).why_not == "no RAM park: rank 1: FSDP1 module; parks to disk"
-    observer._track_usage(j, {"ranks": [RankFact(rank=0).model_dump(), RankFact(rank=1).model_dump()]},
+    observer._track_usage(j, runtime_facts({"ranks": [RankFact(rank=0).model_dump(), RankFact(rank=1).model_dump()]}),
                           time.time())   # the refusal is gone
     assert store.get(job_id).ram_refusal is None and tiers_for(store.get(job_id), False) == frozenset({"ram", "disk"})

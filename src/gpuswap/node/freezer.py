@@ -33,6 +33,7 @@ from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu
                                       next_freeze_step, next_thaw_step, room_for)
 from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
                                        transparent_allowed)
+from gpuswap.protocol import rundir
 from gpuswap.simcuda import start_ticks
 
 LOCK_TIMEOUT_MS = 10_000
@@ -100,7 +101,7 @@ class Freezer:
         return self.driver.capability.migration
 
     def _path(self, job: JobRecord) -> Path:
-        return self.run_dir(job.id, job.generation) / "transparent.json"
+        return self.run_dir(job.id, job.generation) / rundir.TRANSPARENT
 
     def _forget(self, job: JobRecord) -> None:
         try:

@@ -10,12 +10,14 @@ import shutil
 import signal as signals
 from typing import Any, Optional
 
+from gpuswap import processes
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.freezer import ATTACH_GRACE_S, Freezer
-from gpuswap.node import messages, residue, sessions
+from gpuswap.node import residue, sessions
 from gpuswap.node.launcher import SPAWN_GRACE_S, Launcher, Observation
 from gpuswap.node.store import JobRecord, Store
+from gpuswap.protocol.status import ExitFacts, RankFact, RuntimeFacts
 
 log = logging.getLogger("gpuswap.observe")
 
@@ -60,7 +62,7 @@ class Observer:
             # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
             # waits for the user's resume; a policy spill leaves it to the policy.
             self.store.update(job.id, now, desired_tier="ram",
-                              event=f"spill to disk failed, job stays parked in RAM: {rt['error']}")
+                              event=f"spill to disk failed, job stays parked in RAM: {rt.error}")
             return
         if job.mechanism == "transparent" and job.state == JobState.PAUSING:
             self.freezer.freezing(job, obs, now)
@@ -72,80 +74,81 @@ class Observer:
             self._resuming(job, rt, now)
 
     # -- transitions ------------------------------------------------------------------------
-    def _track_usage(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
+    def _track_usage(self, job: JobRecord, rt: RuntimeFacts, now: float) -> None:
         # `no_runtime` is never cleared here: once a pause timed out the job was told "it will not
         # be preempted", and a runtime that is attached but slow between safepoints would
         # otherwise be asked again at once, time out again, and loop. See _pausing.
         changes: dict[str, Any] = {}
-        if rt.get("attached") and not job.attached:
+        if rt.attached and not job.attached:
             changes["attached"] = True
-        dev = int(rt.get("device_bytes") or 0)
-        if rt.get("state") == "running" and dev and dev != job.device_bytes:
+        dev = int(rt.device_bytes or 0)
+        if rt.state == "running" and dev and dev != job.device_bytes:
             changes["device_bytes"] = dev
-        if rt.get("step") is not None and rt.get("step") != job.step:
-            changes["step"] = rt["step"]
-        if "ranks" in rt:       # a multi-rank job: its ranks and their states, for `show` and `ls`
-            ranks = [{k: r[k] for k in ("rank", "pid", "state", "connected", "device_bytes")} for r in rt["ranks"]]
+        if rt.step is not None and rt.step != job.step:
+            changes["step"] = rt.step
+        if rt.ranks is not None:       # a multi-rank job: its ranks and their states, for `show` and `ls`
+            ranks = [{k: getattr(r, k) for k in ("rank", "pid", "state", "connected", "device_bytes")}
+                     for r in rt.ranks]
             if ranks != job.ranks:
                 changes["ranks"] = ranks
-        width = rt.get("world_size")     # a multi-rank runtime's ranks (node/messages.py bounds it)
-        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1024 and width != job.width:
+        width = rt.world_size     # a multi-rank runtime's ranks (protocol/status.py bounds it)
+        if width is not None and width != job.width:
             changes["width"] = width
-        refusal = _ram_refusal(rt.get("ranks"))
-        if refusal != job.ram_refusal and (refusal is not None or rt.get("ranks") is not None):
+        refusal = _ram_refusal(rt.ranks)
+        if refusal != job.ram_refusal and (refusal is not None or rt.ranks is not None):
             changes["ram_refusal"] = refusal
         if changes:
             self.store.update(job.id, now, **changes)
 
-    def _pausing(self, job: JobRecord, rt: dict[str, Any], obs: Observation, now: float) -> None:
+    def _pausing(self, job: JobRecord, rt: RuntimeFacts, obs: Observation, now: float) -> None:
         if job.stopped:
             if obs.stopped:   # the supervisor confirms the SIGSTOP
                 self.store.update(job.id, now, state=JobState.PAUSED, parked=None, desired="running",
                                   event=f"cannot park ({job.reason}): stopped with SIGSTOP; its GPU memory "
                                         "stays allocated and is not counted as freed")
             return
-        if rt.get("state") == "paused" and rt.get("tier") == "ram":
-            nbytes = int(rt.get("bytes") or 0)
-            if (rt.get("world_size") or 1) > 1:
+        if rt.state == "paused" and rt.tier == "ram":
+            nbytes = int(rt.bytes or 0)
+            if rt.multi_rank:
                 # A multi-rank pause_s holds the wait for the common step and the group teardown,
                 # and its bytes moved over several links at once: not one link's bandwidth. The
                 # slowest rank's teardown is the figure it gives.
-                self.bandwidths.observe_seconds("group_teardown_s", rt.get("group_teardown_s"))
+                self.bandwidths.observe_seconds("group_teardown_s", rt.group_teardown_s)
             else:
-                self.bandwidths.observe("ram_park_bps", nbytes, rt.get("pause_s"))
+                self.bandwidths.observe("ram_park_bps", nbytes, rt.pause_s)
             # What the park could not free (its CUDA context, ...), read from NVML now: the runtime
             # reported the park only once it was done. Kept on the job, and reserved by the policy.
             kept = residue.measure(obs.job_pid, self.freezer.gpus, job.assigned)
             stays = f"; {residue.text(kept)} (CUDA context and memory not attached)" if kept else ""
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="ram", parked_bytes=nbytes,
-                home_gpus=job.assigned, assigned=[], step=rt.get("step"), residue=kept,
-                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.get('pause_s') or 0:.2f} s"
+                home_gpus=job.assigned, assigned=[], step=rt.step, residue=kept,
+                event=f"parked in RAM: {format_size(nbytes)} freed from the GPU in {rt.pause_s or 0:.2f} s"
                       + stays,
             )
             return
         if _failed_since(rt, job.pause_requested_at):
-            err, lead = str(rt["error"]), "park failed, job keeps running: "
+            err, lead = str(rt.error), "park failed, job keeps running: "
             self.store.update(job.id, now, state=JobState.RUNNING, desired="running", desired_tier=None,
                               hold=False, event=err if err.startswith(lead) else lead + err)  # multi-rank: said once
             return
-        if (rt.get("world_size") or 1) > 1 and rt.get("phase") not in (None, "running", "agreeing"):
+        if rt.multi_rank and rt.phase not in (None, "running", "agreeing"):
             # Every rank reached the common step and the park is under way: the job is no longer
             # running as it was (groups torn down), and the supervisor's coordinator bounds each
-            # phase by the same timeout, ending the job with the reason (node/ranks.py).
+            # phase by the same timeout, ending the job with the reason (runtime/ranktable.py).
             return
         asked_for = now - (job.pause_requested_at or now)
-        never_attached = not rt.get("attached") and now - (job.last_start or now) > ATTACH_GRACE_S
+        never_attached = not rt.attached and now - (job.last_start or now) > ATTACH_GRACE_S
         if asked_for <= self.pause_timeout_s and not never_attached:
             return
         # From here on the job is not asked to pause again for the rest of this launch (a later
         # safepoint or hello proves nothing about the next pause); the flag is per record and
         # nothing clears it, so the promise in the event below holds.
-        why = ("no gpuswap runtime attached" if not rt.get("attached")
+        why = ("no gpuswap runtime attached" if not rt.attached
                else f"no safepoint reached within {self.pause_timeout_s:g} s")
-        multi = (rt.get("world_size") or 1) > 1
-        if multi and rt.get("not_pausable"):
-            why = str(rt["not_pausable"])          # "1 of 2 ranks attached", "rank 1 finished training"
+        multi = rt.multi_rank
+        if multi and rt.not_pausable:
+            why = str(rt.not_pausable)          # "1 of 2 ranks attached", "rank 1 finished training"
         if self.no_runtime == "sigstop" and not multi:   # a multi-rank job's ranks are not in its session
             self.store.update(job.id, now, stopped=True, no_runtime=True, desired="running", reason=why)
         else:
@@ -153,23 +156,23 @@ class Observer:
                               desired="running", desired_tier=None,
                               event=f"cannot park ({why}): left running; it will not be preempted")
 
-    def _resuming(self, job: JobRecord, rt: dict[str, Any], now: float) -> None:
-        if job.parked == "ram" and rt.get("state") == "running":
-            if (rt.get("world_size") or 1) > 1:     # as at the park: the group's rebuild, not a bandwidth
-                self.bandwidths.observe_seconds("group_rebuild_s", rt.get("group_rebuild_s"))
+    def _resuming(self, job: JobRecord, rt: RuntimeFacts, now: float) -> None:
+        if job.parked == "ram" and rt.state == "running":
+            if rt.multi_rank:     # as at the park: the group's rebuild, not a bandwidth
+                self.bandwidths.observe_seconds("group_rebuild_s", rt.group_rebuild_s)
             else:
-                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.get("resume_s"))
+                self.bandwidths.observe("ram_resume_bps", job.parked_bytes, rt.resume_s)
             self.store.update(job.id, now, state=JobState.RUNNING, parked=None, parked_bytes=0, home_gpus=[],
                               last_start=now,
-                              event=f"resumed from RAM in {rt.get('resume_s') or 0:.2f} s")
-        elif job.parked == "disk" and rt.get("attached"):
-            step = rt.get("restored_step")
-            nbytes, seconds = int(rt.get("restored_bytes") or 0), rt.get("restore_s")
+                              event=f"resumed from RAM in {rt.resume_s or 0:.2f} s")
+        elif job.parked == "disk" and rt.attached:
+            step = rt.restored_step
+            nbytes, seconds = int(rt.restored_bytes or 0), rt.restore_s
             # The runtime timed its restore (read, verify, load, copy in): the disk tier's real
             # resume bandwidth, as a RAM resume's timing is the RAM tier's.
             self.bandwidths.observe("disk_read_bps", nbytes, seconds)
             read = f" ({format_size(nbytes)} read in {seconds:.2f} s)" if nbytes and seconds is not None else ""
-            note = rt.get("restore_note")
+            note = rt.restore_note
             if step is None and note:   # checkpoints were all bad; the job's env asked for a restart
                 event = str(note)
             elif step is None:
@@ -182,12 +185,11 @@ class Observer:
     def _supervisor_died(self, job: JobRecord, obs: Observation, now: float) -> None:
         """Nobody will reap or control the job's processes any more: kill its whole session, and
         end the job (freeing its GPUs and RAM) only once none of its processes is left."""
-        status = obs.status or {}
-        pid = status.get("job_pid")
+        pid = obs.job_pid
         # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
-        ranks = messages.rank_pids(status.get("rank_pids"))
-        if isinstance(pid, int) and pid > 1:
-            if sessions.kill(pid, status.get("job_start_ticks")) + sessions.kill_pids(ranks):
+        ranks = obs.rank_pids
+        if pid is not None and pid > 1:
+            if sessions.kill(pid, obs.job_start_ticks) + processes.kill_pids(ranks):
                 if job.id not in self._killing:
                     self._killing.add(job.id)
                     log.warning("job %d: its supervisor died; killing the processes of its session %d",
@@ -208,38 +210,38 @@ class Observer:
             shutil.rmtree(self.launcher.ckpt_dir(job.id), ignore_errors=True)
 
     def _finished(self, job: JobRecord, obs: Observation, now: float) -> None:
-        ex, rt = obs.exit or {}, obs.runtime
+        ex, rt = obs.exit or ExitFacts(), obs.runtime
         # When it ended, not when we noticed: a job that ended while the daemon was down is seen
         # only after the restart, but its supervisor wrote the exit time in status.json.
         now = _exit_time(ex, now)
-        code, sig = ex.get("code"), ex.get("signal")
+        code, sig = ex.code, ex.signal
         common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
         # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
         # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
-        multi = (rt.get("world_size") or 1) > 1
-        if ((code == REQUEUE_EXIT_CODE or multi) and rt.get("state") == "checkpointed"
-                and not job.cancel_requested and not ex.get("error")):
-            nbytes = int(rt.get("bytes") or 0)
-            self.bandwidths.observe("disk_write_bps", nbytes, rt.get("pause_s"))
+        multi = rt.multi_rank
+        if ((code == REQUEUE_EXIT_CODE or multi) and rt.state == "checkpointed"
+                and not job.cancel_requested and not ex.error):
+            nbytes = int(rt.bytes or 0)
+            self.bandwidths.observe("disk_write_bps", nbytes, rt.pause_s)
             if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
                 common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
             self.store.update(
                 job.id, now, state=JobState.PAUSED, parked="disk", parked_bytes=nbytes, home_gpus=[],
-                step=rt.get("step"), mechanism="cooperative", **common,
-                event=f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.get('step')} "
-                      f"written in {rt.get('pause_s') or 0:.2f} s; requeued"
-                      + (f" ({rt['ckpt_note']})" if rt.get("ckpt_note") else ""))
+                step=rt.step, mechanism="cooperative", **common,
+                event=f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.step} "
+                      f"written in {rt.pause_s or 0:.2f} s; requeued"
+                      + (f" ({rt.ckpt_note})" if rt.ckpt_note else ""))
             return
         common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
-        if rt.get("restore_failed") and not job.cancel_requested:
+        if rt.restore_failed and not job.cancel_requested:
             # No usable checkpoint: the job refused to start over. Its checkpoints are kept (not
             # `_end`): they are the evidence, and perhaps repairable.
             self.store.update(job.id, now, end_time=now, state=JobState.FAILED,
-                              event=f"{rt['restore_failed']} ({_exit_text(code, sig)})", **common)
+                              event=f"{rt.restore_failed} ({_exit_text(code, sig)})", **common)
             return
         where = f" while {job.state.value.lower()}" if job.state != JobState.RUNNING else ""
-        if ex.get("error"):
-            self._end(job, now, state=JobState.FAILED, event=ex["error"], **common)
+        if ex.error:
+            self._end(job, now, state=JobState.FAILED, event=ex.error, **common)
         elif job.abort_reason:
             self._end(job, now, state=JobState.FAILED, event=f"{job.abort_reason} ({_exit_text(code, sig)})", **common)
         elif job.cancel_requested:
@@ -251,29 +253,26 @@ class Observer:
             self._end(job, now, state=JobState.FAILED, event=_exit_text(code, sig) + where, **common)
 
 
-def _exit_time(ex: dict[str, Any], now: float) -> float:
+def _exit_time(ex: ExitFacts, now: float) -> float:
     """The supervisor's recorded exit time, if it is usable (never later than now)."""
-    try:
-        when = float(ex["time"])
-    except (KeyError, TypeError, ValueError):
+    if ex.time is None:
         return now
+    when = float(ex.time)
     return min(when, now) if when > 0 else now
 
 
-def _ram_refusal(ranks: Any) -> Optional[str]:
+def _ram_refusal(ranks: Optional[tuple[RankFact, ...]]) -> Optional[str]:
     """Why the job's ranks cannot rebuild their group (each rank's `ram_refusal` in the runtime's
     `ranks` facts, runtime/agreement.py), as one line; None when none refuses."""
-    if not isinstance(ranks, list):
+    if ranks is None:
         return None
-    out = [f"rank {r['rank']}: {r['ram_refusal'][:200]}" for r in ranks
-           if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("ram_refusal"), str)
-           and r["ram_refusal"]]
+    out = [f"rank {r.rank}: {r.ram_refusal[:200]}" for r in ranks if r.ram_refusal]
     return "; ".join(out)[:1000] or None
 
 
-def _failed_since(rt: dict[str, Any], asked_at: Any) -> bool:
+def _failed_since(rt: RuntimeFacts, asked_at: Any) -> bool:
     """The runtime reported an error for a request made at `asked_at` (not an older one)."""
-    return bool(rt.get("error")) and float(rt.get("error_at") or 0) >= float(asked_at or 0)
+    return bool(rt.error) and float(rt.error_at or 0) >= float(asked_at or 0)
 
 
 def _exit_text(code: Any, sig: Any) -> str:
