@@ -13,6 +13,9 @@ import pytest
 
 from gpuswap_testing import Daemon, auto_workers, has_gpu, reference_env, train_cmd
 
+DURATIONS = Path(__file__).with_name("durations.json")
+SLOW_UNRECORDED_S = 60
+
 
 def pytest_xdist_auto_num_workers(config: Any) -> int:
     """`-n auto` (pyproject's addopts): the worker count fits this machine as it is now."""
@@ -20,10 +23,20 @@ def pytest_xdist_auto_num_workers(config: Any) -> int:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    # Files with `slow` tests first: `--dist loadfile` hands whole files to the workers in this
-    # order, so the longest start at once instead of ending the run alone on one worker.
+    # Longest files first: `--dist loadfile` hands whole files to the workers in this order (with
+    # `--no-loadscope-reorder`; xdist's own order is by test count, which put the slowest files,
+    # of one to three tests, last), so the longest start at once instead of ending the run alone
+    # on one worker. Seconds from tests/durations.json (tests/record_durations.py); a file it
+    # does not name counts as long if it has `slow` tests.
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     slow = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow)       # stable: a file's tests stay together
+    root = Path(str(config.rootpath))
+
+    def longest_first(item: Any) -> int:
+        recorded = seconds.get(Path(str(item.path)).relative_to(root).as_posix())
+        return -(recorded if recorded is not None else SLOW_UNRECORDED_S if item.path in slow else 0)
+
+    items.sort(key=longest_first)       # stable: a file's tests stay together, in their order
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (none found through NVML)")

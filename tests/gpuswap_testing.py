@@ -15,6 +15,10 @@ from gpuswap.api.client import Client, ClientError
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 # The least time a test waits for a fact before calling it missing (a failure detector, not a window).
 FACT_TIMEOUT_S = 180.0
+# `Daemon.until` looks again after 0.05 s, then less and less often, down to every 0.25 s: a look
+# costs ~2.5 ms of CPU (the request and the daemon's answer), and on a 2-core machine running the
+# suite, four workers looking 10 times a second through long waits took about 5% of its CPU.
+POLL_FIRST_S, POLL_MAX_S = 0.05, 0.25
 
 
 def auto_workers(cores: int, load: float) -> int:
@@ -104,13 +108,15 @@ class Daemon:
         catches a fact that never comes: it is never shorter than FACT_TIMEOUT_S, however short a
         test asks, since a loaded machine (load 20 on 2 cores) stretches every step of a job."""
         deadline = time.monotonic() + max(timeout, FACT_TIMEOUT_S)
+        pause = POLL_FIRST_S
         while True:
             j = self.client.get(get) if get else self.job(job_id)
             if pred(j):
                 return j
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {job_id} stuck: {json.dumps(j, indent=1)}")
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(pause * 1.5, POLL_MAX_S)
 
     def state(self, job_id: int, *states: str, timeout: float = 120) -> dict[str, Any]:
         return self.until(job_id, lambda j: j["state"] in states, timeout)

@@ -68,3 +68,19 @@ def test_worker_count_fits_the_machine():
     assert auto_workers(2, 9.0) == 2
     assert auto_workers(4, 1.0) == 7
     assert auto_workers(64, 0.0) == 8         # the ceiling
+
+
+def test_recorded_durations_sum_each_files_phases():
+    """tests/record_durations.py reads a `--durations=0` report into seconds per file (the order
+    tests/conftest.py hands files to the workers in): setup, call and teardown all count."""
+    from record_durations import per_file
+
+    report = """============================= slowest durations ==============================
+30.40s setup    tests/frameworks/test_x.py::test_a[ram+disk-mid-epoch]
+20.10s call     tests/node/test_y.py::test_b
+12.00s call     tests/frameworks/test_x.py::test_c
+0.60s teardown tests/node/test_y.py::test_b
+0.20s call     tests/cli/test_z.py::test_d
+=========================== short test summary info ============================"""
+    assert per_file(report) == {"tests/frameworks/test_x.py": 42, "tests/node/test_y.py": 21}
+    assert list(per_file(report)) == ["tests/frameworks/test_x.py", "tests/node/test_y.py"]   # longest first

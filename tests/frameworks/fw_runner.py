@@ -1,6 +1,7 @@
 """Framework tests run small real jobs as subprocesses (a disk park exits the process with 75)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,9 +9,20 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
+
 
 HERE = Path(__file__).parent
 SRC = str(HERE.parents[1] / "src")
+
+
+def require(extra: str, *packages: str) -> None:
+    """Skip the calling test module where a package of gpuswap[extra] is not installed. Looks for
+    it without importing it (pytest.importorskip would): each xdist worker collects every module,
+    and importing Lightning or transformers there cost ~5 s of CPU a worker; the jobs import them."""
+    for name in packages:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} is not installed: pip install 'gpuswap[{extra}]'", allow_module_level=True)
 
 
 def _start(script: str, out: Path, ckpt: Optional[Path], pauses: str) -> subprocess.Popen:

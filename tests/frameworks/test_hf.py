@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers is not installed: pip install 'gpuswap[hf]'")
-pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'gpuswap[hf]'")
+from fw_runner import require, run_all
 
-from fw_runner import run_all  # noqa: E402
+require("hf", "transformers", "accelerate")
 
 pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 

@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers is not installed: pip install 'gpuswap[hf]'")
-pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'gpuswap[hf]'")
+from fw_runner import require
+
+require("hf", "transformers", "accelerate")
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch has no torch.distributed with gloo", allow_module_level=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("lightning", reason="lightning is not installed: pip install 'gpuswap[lightning]'")
+from fw_runner import require, run_all
 
-from fw_runner import run_all  # noqa: E402
+require("lightning", "lightning")
 
 pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 

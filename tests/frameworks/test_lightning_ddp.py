@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("lightning", reason="lightning is not installed: pip install 'gpuswap[lightning]'")
+from fw_runner import require
+
+require("lightning", "lightning")
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch has no torch.distributed with gloo", allow_module_level=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning", reason="lightning is not installed: pip install 'gpuswap[lightning]'")
+from fw_runner import HERE, SRC, require
 
-from fw_runner import HERE, SRC  # noqa: E402
+require("lightning", "lightning")
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE  # noqa: E402
 

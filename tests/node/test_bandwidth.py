@@ -185,7 +185,9 @@ def test_disk_restore_teaches_read_bandwidth_and_a_restart_keeps_it(make_daemon,
     the daemon folds it into disk_read_bps, says so in the event, and remembers it after a restart."""
     d = make_daemon(calibrate=True)
     gate = Gate(home / "go")     # never opened: the job is cancelled, it must not end before that
-    job = d.submit(gate.train(home / "r.json", 400, 0.02, hidden=1400), name="r")
+    # Held from step 5 (AdamW state exists by then): it would otherwise train this 2M-parameter
+    # model all through the test, seconds of CPU that nothing looks at.
+    job = d.submit(gate.train(home / "r.json", 400, 0.02, hidden=1400, hold_at=5), name="r")
     d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and (j["step"] or 0) >= 3)
     assert d.cli("pause", str(job), "--to", "disk").returncode == 0
     d.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")

@@ -25,7 +25,7 @@ def test_ram_budget_holds_one_park_the_cost_function_chooses_the_other(make_daem
         store.save_bandwidth(field, bps, 20, time.time())
     store.close()
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "0", "--ram-budget", "24MiB")
-    steps, hidden = 250, 1024
+    steps, hidden = 120, 1024   # 120: the LR schedule still steps down twice (at 50, 100)
     # Every job holds until the test lets it go: neither low job can finish before it is parked,
     # and both urgent jobs keep their GPUs until both lows are parked.
     low_gate, urgent_gate = Gate(home / "low.go"), Gate(home / "urgent.go")
@@ -87,7 +87,7 @@ def test_spill_from_ram_to_disk_and_resume_exactly(daemon, home, reference_hashe
 
 def test_lowered_budget_makes_the_policy_spill_a_ram_parked_job(make_daemon, home, reference_hashes):
     """An admin restarts the daemon with a smaller budget: what no longer fits is spilled to disk."""
-    steps, hidden = 250, 1024
+    steps, hidden = 120, 1024   # 120: the LR schedule still steps down twice (at 50, 100)
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0")
     # The urgent job keeps the GPU until the restarted daemon has spilled the low one (it used to
     # sleep 8 s: a slow restart let it end first and the low job resumed from RAM instead).
