@@ -166,7 +166,7 @@ def _pausing(job: JobRecord, rt: RuntimeFacts, obs: Observation, kept: Mapping[i
     if multi and rt.phase not in (None, "running", "agreeing"):
         # Every rank reached the common step and the park is under way: the job is no longer
         # running as it was (groups torn down), and the supervisor's coordinator bounds each
-        # phase by the same timeout, ending the job with the reason (node/ranks.py).
+        # phase by the same timeout, ending the job with the reason (runtime/ranktable.py).
         return None
     asked_for = now - (job.pause_requested_at or now)
     never_attached = not rt.attached and now - (job.last_start or now) > ATTACH_GRACE_S

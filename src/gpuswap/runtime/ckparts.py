@@ -39,7 +39,7 @@ from gpuswap.runtime.checkpoint import CheckpointError, NoUsableCheckpoint
 FORMAT = "gpuswap-ckpt/2"
 _PART = re.compile(r"^ckpt-(\d{6,})\.r(\d+)\.pt$")
 _MANIFEST_NAME = re.compile(r"^ckpt-(\d+)\.json$")
-MAX_WORLD = 1024          # the bound node/messages.py puts on a hello's world_size
+MAX_WORLD = 1024          # the bound protocol/messages.py puts on a hello's world_size
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from gpuswap.runtime.rankcursor import (COMMIT, CONTINUE, EXIT, PARK, REGROUP, R
                                         RankCursor)
 from gpuswap.runtime.regroup import Regroup, _holders
 
-MAX_WORLD = 1024     # what the supervisor accepts (node/messages.py)
+MAX_WORLD = 1024     # what the supervisor accepts (protocol/messages.py)
 
 
 @dataclass(frozen=True)
