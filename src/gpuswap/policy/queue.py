@@ -1,0 +1,42 @@
+"""The waiting jobs in policy order, produced as a round asks for them.
+
+A round usually ends after a few jobs at the head of the queue: once nothing is free, coming free
+or lendable and the next job may pause nobody, no later job can be served either. Sorting the whole
+queue was then most of a round's work with a deep queue (10,000 jobs: milliseconds on every call),
+so the keys are heapified (linear time) and popped one at a time. The order is the sort's exactly:
+heap entries are (key, position), so equal keys (none in practice: every key ends with the job id)
+come out in snapshot order, as a stable sort leaves them.
+"""
+from __future__ import annotations
+
+from heapq import heapify, heappop
+from typing import Callable, Iterator, Optional, Sequence
+
+from gpuswap.policy.model import JobView
+
+
+class Queue:
+    def __init__(self, jobs: Sequence[JobView], keys: Sequence[tuple]):
+        self.jobs, self.keys = jobs, keys
+        self._heap = [(k, i) for i, k in enumerate(keys)]
+        heapify(self._heap)
+        self._ranked: Optional[list[JobView]] = None
+
+    def __iter__(self) -> Iterator[tuple[tuple, JobView]]:
+        """(key, job) from the head of the queue on, each taken out as it is yielded."""
+        heap, jobs = self._heap, self.jobs
+        while heap:
+            key, i = heappop(heap)
+            yield key, jobs[i]
+
+    def rest(self, keep: Callable[[JobView], bool]) -> list[tuple[tuple, JobView]]:
+        """The jobs not yet taken for which `keep` holds, in order (a short list: one scan)."""
+        jobs = self.jobs
+        return [(k, jobs[i]) for k, i in sorted(e for e in self._heap if keep(jobs[e[1]]))]
+
+    def ranked(self) -> list[JobView]:
+        """Every waiting job in order, taken or not (sorted once, on first need: spills only)."""
+        if self._ranked is None:
+            keys, jobs = self.keys, self.jobs
+            self._ranked = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]
+        return self._ranked
