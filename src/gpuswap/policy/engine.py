@@ -75,7 +75,8 @@ class _Round:
             if done and self.why is None:
                 break                       # only pinned and stopped jobs can still move
         if done and self.why is None:
-            for key, w in queue.rest(lambda j: j.holds_gpu_while_paused or bool(j.home_gpus)):
+            special = [i for i, j in enumerate(queue.jobs) if j.holds_gpu_while_paused or j.home_gpus]
+            for key, w in queue.rest(special):
                 self._visit(w, key, done)
         self.out.extend(_spills(self.snap, queue.ranked, self.resumed, self.cl))
         return self.out

@@ -10,7 +10,7 @@ come out in snapshot order, as a stable sort leaves them.
 from __future__ import annotations
 
 from heapq import heapify, heappop
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from gpuswap.policy.model import JobView
 
@@ -20,19 +20,21 @@ class Queue:
         self.jobs, self.keys = jobs, keys
         self._heap = [(k, i) for i, k in enumerate(keys)]
         heapify(self._heap)
+        self._last: Optional[tuple[tuple, int]] = None     # the last entry taken
         self._ranked: Optional[list[JobView]] = None
 
     def __iter__(self) -> Iterator[tuple[tuple, JobView]]:
         """(key, job) from the head of the queue on, each taken out as it is yielded."""
         heap, jobs = self._heap, self.jobs
         while heap:
-            key, i = heappop(heap)
-            yield key, jobs[i]
+            self._last = e = heappop(heap)
+            yield e[0], jobs[e[1]]
 
-    def rest(self, keep: Callable[[JobView], bool]) -> list[tuple[tuple, JobView]]:
-        """The jobs not yet taken for which `keep` holds, in order (a short list: one scan)."""
-        jobs = self.jobs
-        return [(k, jobs[i]) for k, i in sorted(e for e in self._heap if keep(jobs[e[1]]))]
+    def rest(self, positions: list[int]) -> list[tuple[tuple, JobView]]:
+        """The jobs at these positions of `jobs` not yet taken, in order."""
+        keys, jobs, last = self.keys, self.jobs, self._last
+        left = sorted(e for e in ((keys[i], i) for i in positions) if last is None or e > last)
+        return [(k, jobs[i]) for k, i in left]
 
     def ranked(self) -> list[JobView]:
         """Every waiting job in order, taken or not (sorted once, on first need: spills only)."""

@@ -81,21 +81,26 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     return 0 if q and starving(job, ctx) else q
 
 
-def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...],
-               per_gpu: bool = False) -> list[int]:
-    """`las_queue` of many jobs at once, with `service_s` and `starving` written out (no call per
-    job): the simulator computes the order of every waiting job on every call. Tested equal to
-    `las_queue` (tests/policy/test_policy_core.py)."""
+def las_keys(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...], per_gpu: bool,
+             key: Callable[[JobView, int, float], Key]) -> list[Key]:
+    """`key(job, las_queue, service)` of many jobs at once, with `las_queue`, `service_s` and
+    `starving` written out (no call per job but `key`): the order of every waiting job is computed
+    on every call, and with a deep queue that is most of a call. `service` is the attained service
+    the queue was taken on (per GPU when `per_gpu`). Tested equal to the per-job rules
+    (tests/policy/test_policy_core.py)."""
     now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
     out = []
+    append = out.append
     for j in jobs:
         a = j.attained_gpu_s
-        q = bisect_right(thresholds, a / j.gpus if per_gpu and j.gpus > 1 else a)
+        if per_gpu and j.gpus > 1:
+            a = a / j.gpus
+        q = bisect_right(thresholds, a)
         if q and j.phase in waiting:
             run_s = j.run_s
             if run_s > 0 and now - j.phase_since >= factor * run_s:
                 q = 0
-        out.append(q)
+        append(key(j, q, a))
     return out
 
 
@@ -145,7 +150,7 @@ def _las_order(j: JobView, c: Ctx) -> Key:
 
 
 def _las_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    return [(q, j.submit_time, j.id) for q, j in zip(las_queues(jobs, c, c.config.las_thresholds_gpu_s), jobs)]
+    return las_keys(jobs, c, c.config.las_thresholds_gpu_s, False, lambda j, q, a: (q, j.submit_time, j.id))
 
 
 def _las_level(j: JobView, c: Ctx) -> Key:
@@ -238,10 +243,9 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     waiting job on every call.)
     """
     usage = c.usage
-    return [(-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
-             j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s,    # service_s(j)
-             j.submit_time, j.id)
-            for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_s, per_gpu=True), jobs)]
+    return las_keys(jobs, c, c.config.gpuswap_bands_s, True,
+                    lambda j, band, s: (-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
+                                        s, j.submit_time, j.id))
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
