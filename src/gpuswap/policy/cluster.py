@@ -128,10 +128,10 @@ class ClusterState:
         self.ram_version[node] += 1
         self.touched.append(node)
 
-    def set_order(self, ranked: Callable[[], list[JobView]]) -> None:
-        """How to get the waiting jobs in policy order (spill candidates are taken from its tail);
-        asked only when a round runs short of RAM room."""
-        self._order = ranked
+    def set_order(self, in_ram: Callable[[], list[JobView]]) -> None:
+        """How to get the RAM-parked waiting jobs in policy order (spill candidates are taken from
+        its tail); asked only when a round runs short of RAM room."""
+        self._order = in_ram
 
     def spillable_on(self, node: str) -> list[JobView]:
         """RAM-parked jobs on `node` that could be spilled to disk, least deserving first. Built on

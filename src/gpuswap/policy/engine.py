@@ -36,7 +36,7 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
             # Full, and nobody may be paused: no job can start, resume or preempt, whatever the
             # order (which is not computed: with a deep queue it is most of a call's cost).
             over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
-            return _spills(snap, _queue(cl.waiting, spec, ctx).ranked, set(), cl) if over else []
+            return _spills(snap, _queue(cl.waiting, spec, ctx).in_ram, set(), cl) if over else []
     return _Round(snap, spec, ctx, cl, pre=pre).run()
 
 
@@ -68,7 +68,7 @@ class _Round:
 
     def run(self) -> list[Decision]:
         queue = _queue(self.cl.waiting, self.spec, self.ctx)
-        self.cl.set_order(queue.ranked)
+        self.cl.set_order(queue.in_ram)
         done = False                        # nothing is left for the jobs still in the queue
         for key, w in queue:
             done = self._visit(w, key, done)
@@ -78,7 +78,7 @@ class _Round:
             special = [i for i, j in enumerate(queue.jobs) if j.holds_gpu_while_paused or j.home_gpus]
             for key, w in queue.rest(special):
                 self._visit(w, key, done)
-        self.out.extend(_spills(self.snap, queue.ranked, self.resumed, self.cl))
+        self.out.extend(_spills(self.snap, queue.in_ram, self.resumed, self.cl))
         return self.out
 
     def _visit(self, w: JobView, key: tuple, done: bool) -> bool:
@@ -327,16 +327,16 @@ def _queue(jobs: list[JobView], spec: Spec, ctx: Ctx) -> Queue:
     return Queue(jobs, spec.orders(jobs, ctx) if spec.orders else [spec.order(j, ctx) for j in jobs])
 
 
-def _spills(snap: Snapshot, ranked: Callable[[], list[JobView]], resumed: set[str],
+def _spills(snap: Snapshot, in_ram: Callable[[], list[JobView]], resumed: set[str],
             cl: ClusterState) -> list[Decision]:
     """Keep each node's RAM-parked bytes within its budget by spilling the lowest-ranked to disk
-    (`ranked`: the waiting jobs in policy order, asked for only when a node is over)."""
+    (`in_ram`: the RAM-parked jobs in policy order, asked for only when a node is over)."""
     out: list[Decision] = []
     for node in cl.nodes:
         if node not in snap.ram_budget or cl.ram_used.get(node, 0) <= snap.ram_budget[node]:
             continue
         excess = cl.ram_used[node] - snap.ram_budget[node]
-        for j in reversed(ranked()):
+        for j in reversed(in_ram()):
             if excess <= 0:
                 break
             if (j.phase == Phase.PAUSED and j.node == node and j.id not in resumed

@@ -12,6 +12,7 @@ one waiting job after another, and each pause changes one node only, so:
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -31,6 +32,7 @@ class _Group:
 
     level: tuple
     members: dict[str, list[Victim]]                        # node -> its victims of this level
+    left: int = 0                                           # members not taken
     ranked: Optional[list[tuple[tuple, Victim]]] = None     # may still hold victims taken since
     start: int = 0                                          # entries before it are all taken
 
@@ -60,10 +62,15 @@ class Preemption:
         self._victims: dict[str, list[Victim]] = {}
         self._levels = Counter(self._eligible[1])           # level -> eligible victims left
         self.max_level = max(self._levels) if self._levels else None
+        self._gaps = sorted(self._levels)  # a waiting job's level matters only by where it falls among these
+        self._top = 0                      # levels at the top of `_gaps` with no victim left
         self.ranked: dict[str, list[tuple[tuple, Victim]]] = {}   # per node, until a pause there
         self.groups: Optional[list[_Group]] = None    # level descending
+        self._first = 0                               # groups before it have no member left
+        self._group_of: dict[tuple, _Group] = {}
+        self._groups_on: dict[str, list[_Group]] = defaultdict(list)
         self.gone: set[str] = set()                   # victims taken this round
-        self.room_at: dict[tuple, int] = {}           # level -> most GPUs one node could free for it
+        self.room_at: dict[int, int] = {}             # level gap -> most GPUs one node could free for it
         self._plans: dict[Hashable, _Plans] = {}
         # What a RAM park leaves on a GPU depends on the waiting job's footprint: no memo then.
         self._memo_ok = not cl.residue and not any(v.residue_bytes > 0 for v in self._eligible[0])
@@ -103,10 +110,12 @@ class Preemption:
         return None if best is None else (best[1], best[2])
 
     def _signature(self, w: JobView, lw: tuple) -> Hashable:
-        """What `plan_on` looks at of a waiting job when no GPU keeps a residue: its level, its
-        GPUs, and what the benefit gate reads of it (`Spec.benefit_rank`)."""
+        """What `plan_on` looks at of a waiting job when no GPU keeps a residue: its level (only
+        which victims' levels are above it), its GPUs, and what the benefit gate reads of it
+        (`Spec.benefit_rank`)."""
         spec = self.spec
-        return lw, w.gpus, (spec.benefit_rank(w, self.ctx) if spec.benefit_ok is not None else None)
+        return (bisect_right(self._gaps, lw), w.gpus,
+                spec.benefit_rank(w, self.ctx) if spec.benefit_ok is not None else None)
 
     def _plans_for(self, w: JobView, lw: tuple) -> dict[str, Optional[_Plan]]:
         """Each node's best plan for `w`, planned again only on the nodes changed since last asked."""
@@ -141,7 +150,8 @@ class Preemption:
         level for the round: a round only takes GPUs and victims away, so the bound stays a bound."""
         cl = self.cl
         everywhere = nodes is cl.nodes
-        room = self.room_at.get(lw) if everywhere else None
+        gap = bisect_right(self._gaps, lw) if everywhere else -1   # jobs in one gap: the same bound
+        room = self.room_at.get(gap) if everywhere else None
         if room is None:
             pairs, free, pending = self.pairs, cl.free, cl.pending
             room = 0
@@ -153,7 +163,7 @@ class Preemption:
                 if r > room:
                     room = r
             if everywhere:
-                self.room_at[lw] = room
+                self.room_at[gap] = room
         return room
 
     def plan_for_gpus(self, w: JobView, lw: tuple, node: str, gpus: set[int]) -> Optional[Chosen]:
@@ -175,11 +185,21 @@ class Preemption:
             for node, pairs in self.pairs.items():   # records of their own: `_rescore` reads their keys
                 for v, lv in pairs:
                     by_level[lv].setdefault(node, []).append(Victim(v, node, lv))
-            self.groups = [_Group(lv, by_level[lv]) for lv in sorted(by_level, reverse=True)]
-        cl, snap, spec, ctx, gone = self.cl, self.snap, self.spec, self.ctx, self.gone
-        for group in self.groups:
+            self.groups = [_Group(lv, by_level[lv], sum(map(len, by_level[lv].values())))
+                           for lv in sorted(by_level, reverse=True)]
+            for group in self.groups:
+                self._group_of[group.level] = group
+                for node in group.members:
+                    self._groups_on[node].append(group)
+        cl, snap, spec, ctx, gone, groups = self.cl, self.snap, self.spec, self.ctx, self.gone, self.groups
+        while self._first < len(groups) and not groups[self._first].left:
+            self._first += 1
+        for k in range(self._first, len(groups)):
+            group = groups[k]
             if not lw < group.level:
                 break                       # every later group is lower still
+            if not group.left:
+                continue
             if group.ranked is None:
                 group.ranked = scored([c for cs in group.members.values() for c in cs], cl, snap, spec, ctx)
             ranked = group.ranked
@@ -198,9 +218,10 @@ class Preemption:
         """`chosen` on `node` are being paused: they leave, and that node's RAM room changes."""
         gone = {v.id for v, _ in chosen}
         self.gone |= gone
-        kept = []
+        kept, lv_of = [], {}
         for v, lv in self.pairs[node]:
             if v.id in gone:
+                lv_of[v.id] = lv
                 self._levels[lv] -= 1
                 if not self._levels[lv]:
                     del self._levels[lv]
@@ -211,9 +232,13 @@ class Preemption:
         self.ranked.pop(node, None)
         self.cl.touched.append(node)
         if self.groups is not None:
-            for group in self.groups:
+            for v, _ in chosen:
+                self._group_of[lv_of[v.id]].left -= 1
+            for group in self._groups_on[node]:
                 self._rescore(group, node, gone)
-        self.max_level = max(self._levels) if self._levels else None
+        while self._top < len(self._gaps) and self._gaps[-1 - self._top] not in self._levels:
+            self._top += 1                  # levels only go: the highest left is found by walking down
+        self.max_level = self._gaps[-1 - self._top] if self._top < len(self._gaps) else None
 
     def _rescore(self, group: _Group, node: str, gone: set[str]) -> None:
         """`node`'s RAM room changed: score its victims in `group` again. Taken victims stay in

@@ -12,7 +12,7 @@ from __future__ import annotations
 from heapq import heapify, heappop
 from typing import Iterator, Optional, Sequence
 
-from gpuswap.policy.model import JobView
+from gpuswap.policy.model import JobView, Phase
 
 
 class Queue:
@@ -21,7 +21,7 @@ class Queue:
         self._heap = [(k, i) for i, k in enumerate(keys)]
         heapify(self._heap)
         self._last: Optional[tuple[tuple, int]] = None     # the last entry taken
-        self._ranked: Optional[list[JobView]] = None
+        self._in_ram: Optional[list[JobView]] = None
 
     def __iter__(self) -> Iterator[tuple[tuple, JobView]]:
         """(key, job) from the head of the queue on, each taken out as it is yielded."""
@@ -36,9 +36,11 @@ class Queue:
         left = sorted(e for e in ((keys[i], i) for i in positions) if last is None or e > last)
         return [(k, jobs[i]) for k, i in left]
 
-    def ranked(self) -> list[JobView]:
-        """Every waiting job in order, taken or not (sorted once, on first need: spills only)."""
-        if self._ranked is None:
-            keys, jobs = self.keys, self.jobs
-            self._ranked = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]
-        return self._ranked
+    def in_ram(self) -> list[JobView]:
+        """The RAM-parked jobs in order, taken or not: the only ones a round may spill to make
+        room (asked for only when a node runs short; sorted once, far fewer than the queue)."""
+        if self._in_ram is None:
+            keys, jobs, paused = self.keys, self.jobs, Phase.PAUSED
+            ram = [i for i, j in enumerate(jobs) if j.parked == "ram" and j.phase is paused]
+            self._in_ram = [jobs[i] for i in sorted(ram, key=keys.__getitem__)]
+        return self._in_ram
