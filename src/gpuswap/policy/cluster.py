@@ -43,6 +43,9 @@ class ClusterState:
         running, pending, paused, pausing = Phase.RUNNING, Phase.PENDING, Phase.PAUSED, Phase.PAUSING
         self.running: list[JobView] = [j for j in jobs if j.phase is running]
         self.waiting: list[JobView] = [j for j in jobs if j.phase is pending or j.phase is paused]
+        # Stopped (SIGSTOP fallback) and pinned waiting jobs: served even after the rest of the
+        # queue is done for the round. Usually none.
+        self.special: list[JobView] = [j for j in self.waiting if j.holds_gpu_while_paused or j.home_gpus]
         held = {g for j in self.running for g in j.assigned}
         self.ram_used: dict[str, int] = defaultdict(int)
         self.pending: dict[str, list[int]] = defaultdict(list)

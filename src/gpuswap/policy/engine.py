@@ -28,11 +28,10 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
     ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
     cl = ClusterState(snap)
     pre = None
-    if (cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable
-            and not any(j.holds_gpu_while_paused for j in cl.waiting)):
+    if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
         if spec.preemptive:
             pre = Preemption(snap, spec, ctx, cl)
-        if pre is None or pre.max_level is None:
+        if (pre is None or pre.max_level is None) and not any(j.holds_gpu_while_paused for j in cl.special):
             # Full, and nobody may be paused: no job can start, resume or preempt, whatever the
             # order (which is not computed: with a deep queue it is most of a call's cost).
             over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
@@ -74,7 +73,7 @@ class _Round:
             done = self._visit(w, key, done)
             if done and self.why is None:
                 break                       # only pinned and stopped jobs can still move
-        if done and self.why is None:
+        if done and self.why is None and self.cl.special:
             special = [i for i, j in enumerate(queue.jobs) if j.holds_gpu_while_paused or j.home_gpus]
             for key, w in queue.rest(special):
                 self._visit(w, key, done)

@@ -60,10 +60,14 @@ class Preemption:
         # Built on need: ~half the rounds never plan, and most plans visit a few nodes' victims.
         self._pairs: Optional[dict[str, list[tuple[JobView, tuple]]]] = None
         self._victims: dict[str, list[Victim]] = {}
-        self._levels = Counter(self._eligible[1])           # level -> eligible victims left
-        self.max_level = max(self._levels) if self._levels else None
-        self._gaps = sorted(self._levels)  # a waiting job's level matters only by where it falls among these
-        self._top = 0                      # levels at the top of `_gaps` with no victim left
+        self.max_level = max(self._eligible[1]) if self._eligible[1] else None
+        # Built on the first plan (most rounds make none): level -> eligible victims left; the
+        # levels, ascending (a waiting job's level matters only by where it falls among them); how
+        # many at the top have no victim left; whether plans may be kept (`_plans_for`).
+        self._levels: Optional[Counter] = None
+        self._gaps: list[tuple] = []
+        self._top = 0
+        self._memo_ok = False
         self.ranked: dict[str, list[tuple[tuple, Victim]]] = {}   # per node, until a pause there
         self.groups: Optional[list[_Group]] = None    # level descending
         self._first = 0                               # groups before it have no member left
@@ -72,8 +76,13 @@ class Preemption:
         self.gone: set[str] = set()                   # victims taken this round
         self.room_at: dict[int, int] = {}             # level gap -> most GPUs one node could free for it
         self._plans: dict[Hashable, _Plans] = {}
-        # What a RAM park leaves on a GPU depends on the waiting job's footprint: no memo then.
-        self._memo_ok = not cl.residue and not any(v.residue_bytes > 0 for v in self._eligible[0])
+
+    def _index(self) -> None:
+        if self._levels is None:
+            self._levels = Counter(self._eligible[1])
+            self._gaps = sorted(self._levels)
+            # What a RAM park leaves on a GPU depends on the waiting job's footprint: no memo then.
+            self._memo_ok = not self.cl.residue and not any(v.residue_bytes > 0 for v in self._eligible[0])
 
     @property
     def pairs(self) -> dict[str, list[tuple[JobView, tuple]]]:
@@ -98,6 +107,7 @@ class Preemption:
         """The best way to make room for `w` anywhere it may run: node and victims, or None."""
         cl, need = self.cl, max(w.gpus, 1)
         nodes = cl.candidate_nodes(w)
+        self._index()
         if w.gpus == 1 and cl.max_soon == 0 and nodes is cl.nodes:
             return self._first_acceptable(w, lw)
         if need > self._room(lw, nodes):
@@ -218,6 +228,7 @@ class Preemption:
         """`chosen` on `node` are being paused: they leave, and that node's RAM room changes."""
         gone = {v.id for v, _ in chosen}
         self.gone |= gone
+        self._index()
         kept, lv_of = [], {}
         for v, lv in self.pairs[node]:
             if v.id in gone:
