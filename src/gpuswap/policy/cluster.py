@@ -50,11 +50,14 @@ class ClusterState:
         self.ram_used: dict[str, int] = defaultdict(int)
         self.pending: dict[str, list[int]] = defaultdict(list)
         stopped: dict[int, int] = {}        # GPU -> bytes a stopped job keeps on it
-        for j in [j for j in self.waiting if j.phase is paused]:     # PENDING jobs park nothing
-            if j.parked == "ram":
-                self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
-                if j.residue_bytes > 0 and j.home_gpus:
-                    self._add_residue(j, j.home_gpus)
+        ram_used, job_node = self.ram_used, self.job_node
+        for j in [j for j in self.waiting if j.parked == "ram" and j.phase is paused]:  # PENDING jobs park nothing
+            ram_used[j.node or job_node(j)] += j.parked_bytes or job_bytes(j)
+        for j in self.special:              # only these can keep a residue (on their home GPUs) or GPUs
+            if j.phase is not paused:
+                continue
+            if j.parked == "ram" and j.residue_bytes > 0 and j.home_gpus:
+                self._add_residue(j, j.home_gpus)
             if j.holds_gpu_while_paused:
                 for g in j.assigned:
                     stopped[g] = stopped.get(g, 0) + j.mem_bytes

@@ -18,7 +18,7 @@ from gpuswap.policy.model import JobView, Phase
 class Queue:
     def __init__(self, jobs: Sequence[JobView], keys: Sequence[tuple]):
         self.jobs, self.keys = jobs, keys
-        self._heap = [(k, i) for i, k in enumerate(keys)]
+        self._heap = list(zip(keys, range(len(keys))))
         heapify(self._heap)
         self._last: Optional[tuple[tuple, int]] = None     # the last entry taken
         self._in_ram: Optional[list[JobView]] = None

@@ -81,29 +81,6 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     return 0 if q and starving(job, ctx) else q
 
 
-def las_keys(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...], per_gpu: bool,
-             key: Callable[[JobView, int, float], Key]) -> list[Key]:
-    """`key(job, las_queue, service)` of many jobs at once, with `las_queue`, `service_s` and
-    `starving` written out (no call per job but `key`): the order of every waiting job is computed
-    on every call, and with a deep queue that is most of a call. `service` is the attained service
-    the queue was taken on (per GPU when `per_gpu`). Tested equal to the per-job rules
-    (tests/policy/test_policy_core.py)."""
-    now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
-    out = []
-    append = out.append
-    for j in jobs:
-        a = j.attained_gpu_s
-        if per_gpu and j.gpus > 1:
-            a = a / j.gpus
-        q = bisect_right(thresholds, a)
-        if q and j.phase in waiting:
-            run_s = j.run_s
-            if run_s > 0 and now - j.phase_since >= factor * run_s:
-                q = 0
-        append(key(j, q, a))
-    return out
-
-
 def starving(job: JobView, ctx: Ctx) -> bool:
     """Tiresias' STARVELIMIT: waited `las_starvation_factor` x its cumulative run time."""
     return (job.phase in _WAITING and job.run_s > 0
@@ -150,7 +127,17 @@ def _las_order(j: JobView, c: Ctx) -> Key:
 
 
 def _las_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    return las_keys(jobs, c, c.config.las_thresholds_gpu_s, False, lambda j, q, a: (q, j.submit_time, j.id))
+    """`_las_order` of many jobs, `las_queue` written out: the order of every waiting job is
+    computed on every call, and with a deep queue that is most of a call (tested equal)."""
+    now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.las_thresholds_gpu_s, _WAITING
+    out: list[Key] = []
+    append = out.append
+    for j in jobs:
+        q = bisect_right(th, j.attained_gpu_s)
+        if q and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            q = 0                           # starving: promoted
+        append((q, j.submit_time, j.id))
+    return out
 
 
 def _las_level(j: JobView, c: Ctx) -> Key:
@@ -239,13 +226,22 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
-    jobs that ordering caused ~290k preemptions). (`share_key` written out: this runs for every
-    waiting job on every call.)
+    jobs that ordering caused ~290k preemptions). (`gs_band`, `share_key` and `service_s` written
+    out: this runs for every waiting job on every call; tested equal to `_gs_order`.)
     """
-    usage = c.usage
-    return las_keys(jobs, c, c.config.gpuswap_bands_s, True,
-                    lambda j, band, s: (-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
-                                        s, j.submit_time, j.id))
+    usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
+    out: list[Key] = []
+    append = out.append
+    for j in jobs:
+        s = j.attained_gpu_s
+        if j.gpus > 1:
+            s = s / j.gpus
+        band = bisect_right(th, s)
+        if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            band = 0                        # starving: promoted
+        w = j.weight
+        append((-j.priority, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), s, j.submit_time, j.id))
+    return out
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
