@@ -41,7 +41,9 @@ class Spec:
     # How benefit_ok depends on the waiting job: (group, rank), where within a group a job of higher
     # rank never gains more from a switch than one of lower rank. A round that found no plan for a
     # job finds none for a later one (level at least as high) of the same group and GPUs with a
-    # rank at least as high, and does not look again: the simulator's queues are long.
+    # rank at least as high, and does not look again: the simulator's queues are long. benefit_ok
+    # reads the waiting job only through it (equal (group, rank), equal answers): a round keeps its
+    # victim plans per rank (preemption.py; tests/policy/test_policy_round.py).
     benefit_rank: Callable[[JobView, Ctx], tuple[Hashable, float]] = lambda w, c: ((), 0.0)
     sim_only: bool = False
     # Optional batch forms of `order` (waiting jobs) and `level` (RUNNING jobs only), same values:
