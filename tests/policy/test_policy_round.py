@@ -4,6 +4,8 @@ import random
 
 from gpuswap.jobs import Priority
 from gpuswap.policy import Pause, Phase, PolicyConfig, SwitchCosts, decide
+from gpuswap.policy.cluster import ClusterState
+from gpuswap.policy.preemption import Preemption
 from gpuswap.policy.queue import Queue
 from gpuswap.policy.specs import SPECS, Ctx
 from policy_helpers import gpus, job, kinds, snap
@@ -62,3 +64,31 @@ def test_gpuswap_benefit_reads_the_waiting_job_only_through_its_benefit_rank():
         assert spec.benefit_ok(w1, v, ctx, cost) == spec.benefit_ok(w2, v, ctx, cost)
         seen += spec.benefit_ok(w1, v, ctx, cost)
     assert 0 < seen < 400       # both answers were exercised
+
+
+def test_a_full_cluster_nobody_may_be_preempted_on_decides_as_the_whole_round_would():
+    """On a full cluster where no waiting job's level is below every victim's, `decide` skips the
+    round (`Spec.none_below`); `decide_explained` always runs it. Both must decide alike, and the
+    cases where the skip applies and where it does not must both occur."""
+    from gpuswap.policy import decide_explained
+
+    rng = random.Random(5)
+    skipped = {name: 0 for name, spec in SPECS.items() if spec.none_below}
+    for trial in range(60):
+        now, young = 1e5, rng.random() < 0.4        # young: all within their first time slice
+        running = [job(f"r{i}", Phase.RUNNING, prio=rng.choice([Priority.LOW, Priority.NORMAL, Priority.HIGH]),
+                       assigned=(i,), since=now - (rng.uniform(60, 500) if young else rng.uniform(0, 2000)), attained=rng.choice([0.0, 900.0, 5e4, 2e5]),
+                       run_s=1000.0, remaining_s=rng.uniform(1, 1e4)) for i in range(4)]
+        waiting = [job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), prio=rng.choice(list(Priority)),
+                       gpus=rng.choice([1, 2]), attained=rng.choice([0.0, 3e3, 5e4, 4e5]), run_s=rng.choice([0.0, 1e3, 1e5]),
+                       since=now - rng.uniform(0, 5e3), submit=rng.uniform(0, now), remaining_s=rng.uniform(1, 1e4),
+                       parked=None) for i in range(rng.choice([1, 5, 30]))]
+        s = snap(now, gpus(2, nodes=2), running + waiting)
+        for name in skipped:
+            spec = SPECS[name]
+            ctx = Ctx(s.now, s.config, s.costs, s.usage)
+            cl = ClusterState(s)
+            top = Preemption(s, spec, ctx, cl).max_level
+            skipped[name] += top is not None and spec.none_below(cl.waiting, ctx, top)
+            assert decide(s, name) == decide_explained(s, name)[0], (trial, name)
+    assert all(skipped.values()) and not all(v == 60 for v in skipped.values()), skipped

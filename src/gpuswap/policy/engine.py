@@ -31,11 +31,17 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
     if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
         if spec.preemptive:
             pre = Preemption(snap, spec, ctx, cl)
-        if (pre is None or pre.max_level is None) and not any(j.holds_gpu_while_paused for j in cl.special):
-            # Full, and nobody may be paused: no job can start, resume or preempt, whatever the
-            # order (which is not computed: with a deep queue it is most of a call's cost).
+        if ((pre is None or pre.max_level is None
+             or (spec.none_below is not None and spec.none_below(cl.waiting, ctx, pre.max_level)))
+                and not any(j.holds_gpu_while_paused for j in cl.special)):
+            # Full, and nobody may be paused (none at all, or none by any waiting job: all levels
+            # are at least the highest victim's): no job can start, resume or preempt, whatever
+            # the order, which is not computed -- with a deep queue it is most of a call's cost.
             over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
-            return _spills(snap, _queue(cl.waiting, spec, ctx).in_ram, set(), cl) if over else []
+            if not over:
+                return []
+            in_ram = [j for j in cl.waiting if j.parked == "ram" and j.phase is Phase.PAUSED]
+            return _spills(snap, _queue(in_ram, spec, ctx).in_ram, set(), cl)
     return _Round(snap, spec, ctx, cl, pre=pre).run()
 
 
