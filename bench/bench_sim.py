@@ -6,7 +6,8 @@
 Each policy runs in its own child process (so peak RSS is per policy and runs do not share caches).
 The reference, measured in the same run, is a pure-Python pass over the trace: parse the CSV and
 touch every job once -- the floor any simulator written in Python pays. The table shows each
-policy's wall time, its ratio to that reference and to fifo (when fifo is in the set), and peak RSS.
+policy's wall time, its CPU time (what to compare when the machine is shared), its ratio to that
+reference and to fifo (when fifo is in the set), and peak RSS.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ from gpuswap.sim.trace import load
 trace, policy, nodes, gpn, cost, limit, tick = sys.argv[1:8]
 t = load(trace, gpus_per_node=int(gpn), limit=int(limit) if limit != "0" else None)
 t0 = time.perf_counter()
+cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 r = simulate(t.jobs, policy, cluster=Cluster(int(nodes), int(gpn)), cost_model=cost, tick_s=float(tick))
 wall = time.perf_counter() - t0
-print(json.dumps({"wall_s": wall, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall_s": wall, "rss_mib": ru.ru_maxrss / 1024, "cpu_s": ru.ru_utime + ru.ru_stime - cpu0,
                   "jobs": len(t.jobs), "calls": r.decide_calls, "events": r.events}))
 """
 
@@ -96,11 +99,12 @@ def main() -> int:
                          f"switch cost {args.switch_cost}, tick {args.tick:g} s\n{cpu_model()}, "
                          f"{os.cpu_count()} cores, Python {platform.python_version()}; "
                          f"reference (parse + one pass over the trace) {ref:.2f} s"))
-    for col in ("policy", "jobs", "wall s", "x reference", "x fifo", "decide calls", "peak RSS MiB", "note"):
+    for col in ("policy", "jobs", "wall s", "CPU s", "x reference", "x fifo", "decide calls", "peak RSS MiB", "note"):
         table.add_column(col, justify="left" if col in ("policy", "note") else "right")
     for policy, r in rows.items():
         w = r.get("wall_s")
         table.add_row(policy, str(r.get("jobs", "-")), f"{w:.1f}" if w else "-",
+                      f"{r['cpu_s']:.1f}" if "cpu_s" in r else "-",
                       f"{w / ref:.0f}" if w else "-", f"{w / fifo:.1f}" if w and fifo else "-",
                       f"{r.get('calls', 0):,}", f"{r['rss_mib']:.0f}" if "rss_mib" in r else "-",
                       str(r.get("note", "")))

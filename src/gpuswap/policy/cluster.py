@@ -7,7 +7,7 @@ round hands out GPUs, so later waiting jobs see what earlier ones took.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 from gpuswap.policy.costs import job_bytes, ram_free_by_node
 from gpuswap.policy.model import JobView, Phase, Snapshot
@@ -43,15 +43,21 @@ class ClusterState:
         running, pending, paused, pausing = Phase.RUNNING, Phase.PENDING, Phase.PAUSED, Phase.PAUSING
         self.running: list[JobView] = [j for j in jobs if j.phase is running]
         self.waiting: list[JobView] = [j for j in jobs if j.phase is pending or j.phase is paused]
+        # Stopped (SIGSTOP fallback) and pinned waiting jobs: served even after the rest of the
+        # queue is done for the round. Usually none.
+        self.special: list[JobView] = [j for j in self.waiting if j.holds_gpu_while_paused or j.home_gpus]
         held = {g for j in self.running for g in j.assigned}
         self.ram_used: dict[str, int] = defaultdict(int)
         self.pending: dict[str, list[int]] = defaultdict(list)
         stopped: dict[int, int] = {}        # GPU -> bytes a stopped job keeps on it
-        for j in [j for j in self.waiting if j.phase is paused]:     # PENDING jobs park nothing
-            if j.parked == "ram":
-                self.ram_used[j.node or self.job_node(j)] += j.parked_bytes or job_bytes(j)
-                if j.residue_bytes > 0 and j.home_gpus:
-                    self._add_residue(j, j.home_gpus)
+        ram_used, job_node = self.ram_used, self.job_node
+        for j in [j for j in self.waiting if j.parked == "ram" and j.phase is paused]:  # PENDING jobs park nothing
+            ram_used[j.node or job_node(j)] += j.parked_bytes or job_bytes(j)
+        for j in self.special:              # only these can keep a residue (on their home GPUs) or GPUs
+            if j.phase is not paused:
+                continue
+            if j.parked == "ram" and j.residue_bytes > 0 and j.home_gpus:
+                self._add_residue(j, j.home_gpus)
             if j.holds_gpu_while_paused:
                 for g in j.assigned:
                     stopped[g] = stopped.get(g, 0) + j.mem_bytes
@@ -76,7 +82,10 @@ class ClusterState:
             self.free[node_of[gid]].append(gid)
         self.ram_free = ram_free_by_node(snap.ram_budget, self.ram_used, set(self.nodes))
         self.ram_version: dict[str, int] = defaultdict(int)   # bumped when a node's RAM room or spillables change
-        self._order: list[JobView] = []
+        # Every node whose free or pending GPUs, RAM room or spillables changed, in order: victim
+        # plans made earlier in the round stay valid on the nodes not named since (victims.py).
+        self.touched: list[str] = []
+        self._order: Callable[[], list[JobView]] = list
         self._spillable: Optional[dict[str, list[JobView]]] = None
         self._not_spillable: set[str] = set()
         self.refresh()
@@ -123,17 +132,19 @@ class ClusterState:
     def park_into_ram(self, node: str, nbytes: int) -> None:
         self.ram_free[node] -= nbytes
         self.ram_version[node] += 1
+        self.touched.append(node)
 
-    def set_order(self, waiting: list[JobView]) -> None:
-        """The waiting jobs in policy order (spill candidates are taken from its tail)."""
-        self._order = waiting
+    def set_order(self, in_ram: Callable[[], list[JobView]]) -> None:
+        """How to get the RAM-parked waiting jobs in policy order (spill candidates are taken from
+        its tail); asked only when a round runs short of RAM room."""
+        self._order = in_ram
 
     def spillable_on(self, node: str) -> list[JobView]:
         """RAM-parked jobs on `node` that could be spilled to disk, least deserving first. Built on
         first need: most rounds never run short of RAM room."""
         if self._spillable is None:
             self._spillable = defaultdict(list)
-            for j in reversed(self._order):
+            for j in reversed(self._order()):
                 if (j.phase is Phase.PAUSED and j.parked == "ram" and j.id not in self._not_spillable
                         and not j.holds_gpu_while_paused and "disk" in j.tiers):
                     self._spillable[j.node or self.job_node(j)].append(j)
@@ -143,6 +154,7 @@ class ClusterState:
         """These jobs leave RAM this round (resumed, or already being spilled)."""
         self._not_spillable |= ids
         self.ram_version[node] += 1
+        self.touched.append(node)
         if self._spillable is not None:
             self._spillable[node] = [p for p in self._spillable[node] if p.id not in ids]
 
@@ -161,12 +173,14 @@ class ClusterState:
     def take(self, node: str, need: int) -> tuple[int, ...]:
         got = tuple(self.free[node][:need])
         del self.free[node][:need]
+        self.touched.append(node)
         return got
 
     def take_exactly(self, node: str, gpus: set[int]) -> None:
         """Take these GPUs out of the free and pending pools (a pinned job's own GPUs)."""
         self.free[node] = [g for g in self.free[node] if g not in gpus]
         self.pending[node] = [g for g in self.pending[node] if g not in gpus]
+        self.touched.append(node)
 
     def reserve(self, node: str, need: int) -> int:
         """Reserve up to `need` free then pending GPUs on `node`; return how many are still missing."""
@@ -174,6 +188,7 @@ class ClusterState:
         del self.free[node][:n_free]
         n_pend = min(need - n_free, len(self.pending[node]))
         del self.pending[node][:n_pend]
+        self.touched.append(node)
         return need - n_free - n_pend
 
     def lend(self, need: int, mem_bytes: int, nodes: list[str]) -> Optional[tuple[str, tuple[int, ...]]]:

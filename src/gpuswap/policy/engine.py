@@ -7,30 +7,42 @@ GPUs), GPUs of PAUSING/RESUMING jobs stay held, GPUs a pause in flight will free
 first waiting job that can use them (so no second round of victims is paused for the same need), a
 stopped job's GPUs lent only to jobs that fit beside the memory it keeps, the host-RAM budget, the
 memory a RAM park leaves on a GPU kept reserved (`residue.py`).
-Victims: `victims.py`; the GPUs a round can hand out: `cluster.py`; tiers and costs: `costs.py`.
+Victims: `victims.py` (the rules) and `preemption.py` (a round's victims); the GPUs a round can hand out: `cluster.py`; tiers and costs: `costs.py`.
 """
 from __future__ import annotations
 
-from operator import itemgetter
-from typing import Optional
+from typing import Callable, Optional
 
 from gpuswap.policy import residue
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import job_bytes, spill_order_ok
 from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
+from gpuswap.policy.queue import Queue
 from gpuswap.policy.specs import Ctx, Spec
-from gpuswap.policy.victims import Chosen, Preemption, may_spill_for
+from gpuswap.policy.preemption import Preemption
+from gpuswap.policy.victims import Chosen, may_spill_for
 
 
 def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
     ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
     cl = ClusterState(snap)
-    if (cl.max_free == 0 and cl.max_soon == 0 and not spec.preemptive and not cl.lendable
-            and not any(j.holds_gpu_while_paused for j in cl.waiting)):
-        over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
-        return _spills(snap, _ranked(cl.waiting, spec, ctx), set(), cl) if over else []  # full: done
-    return _Round(snap, spec, ctx, cl).run()
+    pre = None
+    if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
+        if spec.preemptive:
+            pre = Preemption(snap, spec, ctx, cl)
+        if ((pre is None or pre.max_level is None
+             or (spec.none_below is not None and spec.none_below(cl.waiting, ctx, pre.max_level)))
+                and not any(j.holds_gpu_while_paused for j in cl.special)):
+            # Full, and nobody may be paused (none at all, or none by any waiting job: all levels
+            # are at least the highest victim's): no job can start, resume or preempt, whatever
+            # the order, which is not computed -- with a deep queue it is most of a call's cost.
+            over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
+            if not over:
+                return []
+            in_ram = [j for j in cl.waiting if j.parked == "ram" and j.phase is Phase.PAUSED]
+            return _spills(snap, _queue(in_ram, spec, ctx).in_ram, set(), cl)
+    return _Round(snap, spec, ctx, cl, pre=pre).run()
 
 
 def schedule_explained(snap: Snapshot, spec: Spec) -> tuple[list[Decision], dict[str, Wait]]:
@@ -47,11 +59,11 @@ class _Round:
     """One pass over the waiting jobs in policy order, each served by the first rule that fits."""
 
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState,
-                 why: Optional[Explainer] = None):
+                 why: Optional[Explainer] = None, pre: Optional[Preemption] = None):
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
         self.why = why                             # explains the jobs passed over (daemon only)
         self.out: list[Decision] = []
-        self.pre: Optional[Preemption] = None      # built on first need: most calls never need it
+        self.pre: Optional[Preemption] = pre       # built on first need: most calls never need it
         self.resumed: set[str] = set()
         self.cleared: set[str] = set()              # RAM-parked jobs spilled to clear their residue
         # Preemption only gets harder as a round goes on (victims are taken, GPUs and RAM room
@@ -60,26 +72,33 @@ class _Round:
         self.no_plan: dict[tuple, float] = {}
 
     def run(self) -> list[Decision]:
-        spec, ctx, cl = self.spec, self.ctx, self.cl
-        jobs = cl.waiting
-        keyed = list(zip(spec.orders(jobs, ctx) if spec.orders else [spec.order(j, ctx) for j in jobs], jobs))
-        keyed.sort(key=itemgetter(0))
-        waiting = [j for _, j in keyed]
-        cl.set_order(waiting)
+        queue = _queue(self.cl.waiting, self.spec, self.ctx)
+        self.cl.set_order(queue.in_ram)
         done = False                        # nothing is left for the jobs still in the queue
-        for key, w in keyed:
-            if w.id in self.cleared:
-                continue                    # leaving RAM for a job ahead of it
-            if w.holds_gpu_while_paused:
-                self._continue_stopped(w)
-            elif w.home_gpus:
-                self._serve_pinned(w, key)
-            elif not done:
-                done = self._serve(w, key)
-            elif self.why is not None:
-                self.why.blocked(w, self._level(w, key), self.out)
-        self.out.extend(_spills(self.snap, waiting, self.resumed, cl))
+        for key, w in queue:
+            done = self._visit(w, key, done)
+            if done and self.why is None:
+                break                       # only pinned and stopped jobs can still move
+        if done and self.why is None and self.cl.special:
+            special = [i for i, j in enumerate(queue.jobs) if j.holds_gpu_while_paused or j.home_gpus]
+            for key, w in queue.rest(special):
+                self._visit(w, key, done)
+        self.out.extend(_spills(self.snap, queue.in_ram, self.resumed, self.cl))
         return self.out
+
+    def _visit(self, w: JobView, key: tuple, done: bool) -> bool:
+        """Serve `w` by its kind; whether the queue is done (see `_serve`)."""
+        if w.id in self.cleared:
+            return done                     # leaving RAM for a job ahead of it
+        if w.holds_gpu_while_paused:
+            self._continue_stopped(w)
+        elif w.home_gpus:
+            self._serve_pinned(w, key)
+        elif not done:
+            return self._serve(w, key)
+        elif self.why is not None:
+            self.why.blocked(w, self._level(w, key), self.out)
+        return done
 
     def _serve(self, w: JobView, key: tuple) -> bool:
         """Start, resume, reserve for, relocate or preempt for `w`, by the first rule that fits.
@@ -308,19 +327,21 @@ def _ids(gpus) -> str:
     return ",".join(map(str, gpus))
 
 
-def _ranked(jobs: list[JobView], spec: Spec, ctx: Ctx) -> list[JobView]:
-    """Waiting jobs in policy order; only sorted when a node is over its RAM budget."""
-    return sorted(jobs, key=lambda j: spec.order(j, ctx)) if jobs else []
+def _queue(jobs: list[JobView], spec: Spec, ctx: Ctx) -> Queue:
+    """The waiting jobs in policy order, served lazily (queue.py)."""
+    return Queue(jobs, spec.orders(jobs, ctx) if spec.orders else [spec.order(j, ctx) for j in jobs])
 
 
-def _spills(snap: Snapshot, waiting: list[JobView], resumed: set[str], cl: ClusterState) -> list[Decision]:
-    """Keep each node's RAM-parked bytes within its budget by spilling the lowest-ranked to disk."""
+def _spills(snap: Snapshot, in_ram: Callable[[], list[JobView]], resumed: set[str],
+            cl: ClusterState) -> list[Decision]:
+    """Keep each node's RAM-parked bytes within its budget by spilling the lowest-ranked to disk
+    (`in_ram`: the RAM-parked jobs in policy order, asked for only when a node is over)."""
     out: list[Decision] = []
     for node in cl.nodes:
         if node not in snap.ram_budget or cl.ram_used.get(node, 0) <= snap.ram_budget[node]:
             continue
         excess = cl.ram_used[node] - snap.ram_budget[node]
-        for j in reversed(waiting):
+        for j in reversed(in_ram()):
             if excess <= 0:
                 break
             if (j.phase == Phase.PAUSED and j.node == node and j.id not in resumed

@@ -41,7 +41,9 @@ class Spec:
     # How benefit_ok depends on the waiting job: (group, rank), where within a group a job of higher
     # rank never gains more from a switch than one of lower rank. A round that found no plan for a
     # job finds none for a later one (level at least as high) of the same group and GPUs with a
-    # rank at least as high, and does not look again: the simulator's queues are long.
+    # rank at least as high, and does not look again: the simulator's queues are long. benefit_ok
+    # reads the waiting job only through it (equal (group, rank), equal answers): a round keeps its
+    # victim plans per rank (preemption.py; tests/policy/test_policy_round.py).
     benefit_rank: Callable[[JobView, Ctx], tuple[Hashable, float]] = lambda w, c: ((), 0.0)
     sim_only: bool = False
     # Optional batch forms of `order` (waiting jobs) and `level` (RUNNING jobs only), same values:
@@ -49,6 +51,10 @@ class Spec:
     orders: Optional[Callable[[Sequence[JobView], Ctx], list[Key]]] = None
     running_levels: Optional[Callable[[Sequence[JobView], Ctx], list[Key]]] = None
     level_prefix: int = 0     # when > 0, a waiting job's level is order(...)[:level_prefix] (saves a call)
+    # Optional: whether no waiting job's level is below `bound` (the highest victim's level), found
+    # without ordering the queue and stopping at the first that is. When it holds on a full cluster,
+    # nobody can be served and the round is skipped: with a deep queue most calls are such.
+    none_below: Optional[Callable[[Sequence[JobView], Ctx, Key], bool]] = None
 
 
 def label(priority: int) -> str:
@@ -79,24 +85,6 @@ def las_queue(job: JobView, ctx: Ctx, thresholds: Optional[tuple[float, ...]] = 
     q = bisect_right(ctx.config.las_thresholds_gpu_s if thresholds is None else thresholds,
                      service_s(job) if per_gpu else job.attained_gpu_s)   # 0 below the first threshold
     return 0 if q and starving(job, ctx) else q
-
-
-def las_queues(jobs: Sequence[JobView], ctx: Ctx, thresholds: tuple[float, ...],
-               per_gpu: bool = False) -> list[int]:
-    """`las_queue` of many jobs at once, with `service_s` and `starving` written out (no call per
-    job): the simulator computes the order of every waiting job on every call. Tested equal to
-    `las_queue` (tests/policy/test_policy_core.py)."""
-    now, factor, waiting = ctx.now, ctx.config.las_starvation_factor, _WAITING
-    out = []
-    for j in jobs:
-        a = j.attained_gpu_s
-        q = bisect_right(thresholds, a / j.gpus if per_gpu and j.gpus > 1 else a)
-        if q and j.phase in waiting:
-            run_s = j.run_s
-            if run_s > 0 and now - j.phase_since >= factor * run_s:
-                q = 0
-        out.append(q)
-    return out
 
 
 def starving(job: JobView, ctx: Ctx) -> bool:
@@ -131,6 +119,10 @@ def _prio_level(j: JobView, c: Ctx) -> Key:
     return (-j.priority,)
 
 
+def _prio_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
+    return not jobs or (-max([j.priority for j in jobs]),) >= bound
+
+
 def _prio_victim(v: JobView, c: Ctx, cost: float) -> Key:
     return (v.priority, -_since_start(v), v.id)      # lowest class, then the most recently started
 
@@ -145,11 +137,36 @@ def _las_order(j: JobView, c: Ctx) -> Key:
 
 
 def _las_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    return [(q, j.submit_time, j.id) for q, j in zip(las_queues(jobs, c, c.config.las_thresholds_gpu_s), jobs)]
+    """`_las_order` of many jobs, `las_queue` written out: the order of every waiting job is
+    computed on every call, and with a deep queue that is most of a call (tested equal)."""
+    now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.las_thresholds_gpu_s, _WAITING
+    out: list[Key] = []
+    append = out.append
+    for j in jobs:
+        q = bisect_right(th, j.attained_gpu_s)
+        if q and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            q = 0                           # starving: promoted
+        append((q, j.submit_time, j.id))
+    return out
 
 
 def _las_level(j: JobView, c: Ctx) -> Key:
     return (las_queue(j, c),)
+
+
+def _las_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
+    """Every waiting job's LAS queue is at least bound's: `las_queue` written out, stopping early."""
+    q_min = bound[0]
+    if q_min <= 0:
+        return True
+    now, factor, waiting = c.now, c.config.las_starvation_factor, _WAITING
+    below = c.config.las_thresholds_gpu_s[q_min - 1]      # attained service under this: a lower queue
+    for j in jobs:
+        if j.attained_gpu_s < below:
+            return False
+        if j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            return False                    # starving: promoted to queue 0
+    return True
 
 
 def joined_queue_at(v: JobView, c: Ctx, q: int) -> float:
@@ -212,6 +229,10 @@ def _srtf_level(j: JobView, c: Ctx) -> Key:
     return (_remaining(j),)
 
 
+def _srtf_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
+    return all((_remaining(j),) >= bound for j in jobs)
+
+
 def _srtf_victim(v: JobView, c: Ctx, cost: float) -> Key:
     return (-_remaining(v), v.id)
 
@@ -234,14 +255,22 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
-    jobs that ordering caused ~290k preemptions). (`share_key` written out: this runs for every
-    waiting job on every call.)
+    jobs that ordering caused ~290k preemptions). (`gs_band`, `share_key` and `service_s` written
+    out: this runs for every waiting job on every call; tested equal to `_gs_order`.)
     """
-    usage = c.usage
-    return [(-j.priority, band, usage.get(j.user, 0.0) / (j.weight if j.weight > 1e-9 else 1e-9),
-             j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s,    # service_s(j)
-             j.submit_time, j.id)
-            for band, j in zip(las_queues(jobs, c, c.config.gpuswap_bands_s, per_gpu=True), jobs)]
+    usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
+    out: list[Key] = []
+    append = out.append
+    for j in jobs:
+        s = j.attained_gpu_s
+        if j.gpus > 1:
+            s = s / j.gpus
+        band = bisect_right(th, s)
+        if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            band = 0                        # starving: promoted
+        w = j.weight
+        append((-j.priority, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), s, j.submit_time, j.id))
+    return out
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
@@ -252,6 +281,28 @@ def _gs_order(j: JobView, c: Ctx) -> Key:
 
 def _gs_level(j: JobView, c: Ctx) -> Key:
     return (-j.priority, gs_band(j, c))
+
+
+def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
+    """Every waiting job's (class, band) is at least bound's: no higher class, and in bound's class
+    no lower band (`gs_band` written out for that class only, stopping early)."""
+    top, b_min = -bound[0], bound[1]
+    now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
+    below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
+    for j in jobs:
+        p = j.priority
+        if p > top:
+            return False
+        if p < top or b_min <= 0:
+            continue
+        s = j.attained_gpu_s
+        if j.gpus > 1:
+            s = s / j.gpus
+        if s < below:
+            return False
+        if j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            return False                    # starving: promoted to band 0
+    return True
 
 
 def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_class: bool,
@@ -303,14 +354,16 @@ def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
 SPECS: dict[str, Spec] = {
     "fifo": Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why, orders=_fifo_orders),
     "priority": Spec("priority", True, _prio_order, _prio_level, _prio_victim, _prio_why,
-                     level_prefix=1, orders=_prio_orders),
+                     level_prefix=1, orders=_prio_orders, none_below=_prio_none_below),
     "las": Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1, orders=_las_orders,
+                none_below=_las_none_below,
                 running_levels=_band_levels(lambda cfg: cfg.las_thresholds_gpu_s, by_class=False)),
-    "gandiva": Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why),
+    "gandiva": Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why,
+                    none_below=lambda jobs, c, bound: (1,) >= bound),   # every waiting job's level is (1,)
     "srtf-oracle": Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
-                        sim_only=True, level_prefix=1),
+                        sim_only=True, level_prefix=1, none_below=_srtf_none_below),
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                     benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
-                    level_prefix=2, orders=_gs_orders,
+                    level_prefix=2, orders=_gs_orders, none_below=_gs_none_below,
                     running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True)),
 }

@@ -29,6 +29,7 @@ class Victim:
     level: tuple
     plan: Optional[ParkPlan] = None   # from scoring, valid while the node's RAM version is `seen`
     seen: int = -1
+    key: Optional[tuple] = None       # its victim key when last scored (None: no plan then)
 
 
 def under_switch_cap(v: JobView, cost: float, snap: Snapshot) -> bool:
@@ -113,8 +114,9 @@ def scored(victims: list[Victim], cl: ClusterState, snap: Snapshot, spec: Spec,
         c.plan = park_plan(c.job, cl.ram_free[c.node], lambda n=c.node: cl.spillable_on(n), snap.costs,
                            snap.config)
         c.seen = cl.ram_version[c.node]
-        if c.plan is not None:
-            out.append((spec.victim(c.job, ctx, c.plan.per_gpu_s(c.job)), c))
+        c.key = None if c.plan is None else spec.victim(c.job, ctx, c.plan.per_gpu_s(c.job))
+        if c.key is not None:
+            out.append((c.key, c))
     out.sort(key=itemgetter(0))
     return out
 
@@ -165,139 +167,3 @@ def plan_on(w: JobView, lw: tuple, node: str, ranked: list[tuple[tuple, Victim]]
         missing -= len(v.assigned)
         worst = vkey
     return (chosen, total, worst) if missing <= 0 and chosen else None
-
-
-class Preemption:
-    """Victims for the waiting jobs of one round: found on first need, scored lazily.
-
-    A one-GPU job on a cluster with nothing free and nothing coming free needs one victim: the
-    first acceptable one in victim order across all nodes -- the answer trying each node would
-    give. Every policy's victim order puts a higher preemption level first (`Spec.victim`), so the
-    victims are grouped by level and only the groups actually reached are scored: usually the top one.
-    """
-
-    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState):
-        self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
-        self._eligible = eligible(snap, spec, ctx, cl)
-        # Built on need: ~half the rounds never plan, and most plans visit a few nodes' victims.
-        self._pairs: Optional[dict[str, list[tuple[JobView, tuple]]]] = None
-        self._victims: dict[str, list[Victim]] = {}
-        self.max_level = max(self._eligible[1]) if self._eligible[1] else None
-        self.ranked: dict[str, list[tuple[tuple, Victim]]] = {}   # per node, until a pause there
-        self.groups: Optional[list[list]] = None      # [level, members, ranked members or None], level desc
-        self.room_at: dict[tuple, int] = {}           # level -> most GPUs one node could free for it
-
-    @property
-    def pairs(self) -> dict[str, list[tuple[JobView, tuple]]]:
-        """node -> [(eligible job, its level)]."""
-        if self._pairs is None:
-            self._pairs = pairs_by_node(*self._eligible, self.cl)
-        return self._pairs
-
-    def victims_on(self, node: str) -> list[Victim]:
-        vs = self._victims.get(node)
-        if vs is None:
-            vs = self._victims[node] = [Victim(v, node, lv) for v, lv in self.pairs.get(node, ())]
-        return vs
-
-    def _ranked(self, node: str) -> list[tuple[tuple, Victim]]:
-        r = self.ranked.get(node)
-        if r is None:
-            r = self.ranked[node] = scored(self.victims_on(node), self.cl, self.snap, self.spec, self.ctx)
-        return r
-
-    def plan(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
-        """The best way to make room for `w` anywhere it may run: node and victims, or None."""
-        cl, need = self.cl, max(w.gpus, 1)
-        nodes = cl.candidate_nodes(w)
-        if w.gpus == 1 and cl.max_soon == 0 and nodes is cl.nodes:
-            return self._first_acceptable(w, lw)
-        if need > self._room(lw, nodes):
-            return None                     # no node could free enough GPUs, whatever the gates say
-        plans = []
-        pairs = self.pairs
-        free, pending = cl.pools_for(w)     # the GPUs w fits on (all, when no GPU keeps a residue)
-        for node in nodes:
-            if not pairs.get(node) or self._room(lw, [node]) < need:
-                continue
-            plan = plan_on(w, lw, node, self._ranked(node), w.gpus - len(free[node]) - len(pending[node]),
-                           cl, self.snap, self.spec, self.ctx)
-            if plan is not None:
-                chosen, cost, worst = plan
-                plans.append(((worst, cost, len(chosen), node), node, chosen))
-        if not plans:
-            return None
-        _, node, chosen = min(plans, key=itemgetter(0))
-        return node, chosen
-
-    def _room(self, lw: tuple, nodes: list[str]) -> int:
-        """An upper bound on the GPUs one of `nodes` could offer a job of level `lw`: its free and
-        pending GPUs plus those of its victims of a higher level. Over all nodes it is kept per
-        level for the round: a round only takes GPUs and victims away, so the bound stays a bound."""
-        cl = self.cl
-        everywhere = nodes is cl.nodes
-        room = self.room_at.get(lw) if everywhere else None
-        if room is None:
-            pairs, free, pending = self.pairs, cl.free, cl.pending
-            room = 0
-            for n in nodes:                 # a node holds a handful of victims: no index pays off
-                r = len(free[n]) + len(pending[n])
-                for v, lv in pairs.get(n, ()):
-                    if lw < lv:
-                        r += len(v.assigned)
-                if r > room:
-                    room = r
-            if everywhere:
-                self.room_at[lw] = room
-        return room
-
-    def plan_for_gpus(self, w: JobView, lw: tuple, node: str, gpus: set[int]) -> Optional[Chosen]:
-        """Pause whoever holds these GPUs (a job pinned to them waits for exactly those), or None
-        when some holder may not be paused for `w` or a GPU is held by a job in transition."""
-        holder_ids = {j.id for j in self.cl.running if gpus.intersection(j.assigned)}
-        holders = [(k, c) for k, c in self._ranked(node) if c.job.id in holder_ids]
-        if not holders or len(holders) != len(holder_ids):
-            return None
-        if not gpus <= {g for _, c in holders for g in c.job.assigned}:
-            return None
-        plan = plan_on(w, lw, node, holders, sum(len(c.job.assigned) for _, c in holders),
-                       self.cl, self.snap, self.spec, self.ctx)
-        return plan[0] if plan is not None and len(plan[0]) == len(holders) else None
-
-    def _first_acceptable(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
-        if self.groups is None:
-            by_level: dict[tuple, list[Victim]] = defaultdict(list)
-            for node in self.pairs:
-                for c in self.victims_on(node):
-                    by_level[c.level].append(c)
-            self.groups = [[lv, by_level[lv], None] for lv in sorted(by_level, reverse=True)]
-        cl, snap, spec, ctx = self.cl, self.snap, self.spec, self.ctx
-        for group in self.groups:
-            if not lw < group[0]:
-                break                       # every later group is lower still
-            if group[2] is None:
-                group[2] = scored(group[1], cl, snap, spec, ctx)
-            for vkey, c in group[2]:
-                plan = plan_on(w, lw, c.node, [(vkey, c)], 1, cl, snap, spec, ctx)
-                if plan is not None:
-                    return c.node, plan[0]
-        return None
-
-    def taken(self, node: str, chosen: Chosen) -> None:
-        """`chosen` on `node` are being paused: they leave, and that node's RAM room changes."""
-        gone = {v.id for v, _ in chosen}
-        self.pairs[node] = [p for p in self.pairs[node] if p[0].id not in gone]
-        self._victims.pop(node, None)       # made again from the pairs on need
-        self.ranked.pop(node, None)
-        if self.groups is not None:
-            for group in self.groups:
-                group[1] = [c for c in group[1] if c.job.id not in gone]
-                if group[2] is not None:    # re-score only that node's victims: its RAM room changed
-                    kept = [e for e in group[2] if e[1].node != node]
-                    kept += scored([c for c in group[1] if c.node == node], self.cl, self.snap,
-                                   self.spec, self.ctx)
-                    kept.sort(key=itemgetter(0))
-                    group[2] = kept
-            self.groups = [g for g in self.groups if g[1]]
-        levels = [lv for ps in self.pairs.values() for _, lv in ps]
-        self.max_level = max(levels) if levels else None

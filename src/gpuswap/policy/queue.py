@@ -1,0 +1,46 @@
+"""The waiting jobs in policy order, produced as a round asks for them.
+
+A round usually ends after a few jobs at the head of the queue: once nothing is free, coming free
+or lendable and the next job may pause nobody, no later job can be served either. Sorting the whole
+queue was then most of a round's work with a deep queue (10,000 jobs: milliseconds on every call),
+so the keys are heapified (linear time) and popped one at a time. The order is the sort's exactly:
+heap entries are (key, position), so equal keys (none in practice: every key ends with the job id)
+come out in snapshot order, as a stable sort leaves them.
+"""
+from __future__ import annotations
+
+from heapq import heapify, heappop
+from typing import Iterator, Optional, Sequence
+
+from gpuswap.policy.model import JobView, Phase
+
+
+class Queue:
+    def __init__(self, jobs: Sequence[JobView], keys: Sequence[tuple]):
+        self.jobs, self.keys = jobs, keys
+        self._heap = list(zip(keys, range(len(keys))))
+        heapify(self._heap)
+        self._last: Optional[tuple[tuple, int]] = None     # the last entry taken
+        self._in_ram: Optional[list[JobView]] = None
+
+    def __iter__(self) -> Iterator[tuple[tuple, JobView]]:
+        """(key, job) from the head of the queue on, each taken out as it is yielded."""
+        heap, jobs = self._heap, self.jobs
+        while heap:
+            self._last = e = heappop(heap)
+            yield e[0], jobs[e[1]]
+
+    def rest(self, positions: list[int]) -> list[tuple[tuple, JobView]]:
+        """The jobs at these positions of `jobs` not yet taken, in order."""
+        keys, jobs, last = self.keys, self.jobs, self._last
+        left = sorted(e for e in ((keys[i], i) for i in positions) if last is None or e > last)
+        return [(k, jobs[i]) for k, i in left]
+
+    def in_ram(self) -> list[JobView]:
+        """The RAM-parked jobs in order, taken or not: the only ones a round may spill to make
+        room (asked for only when a node runs short; sorted once, far fewer than the queue)."""
+        if self._in_ram is None:
+            keys, jobs, paused = self.keys, self.jobs, Phase.PAUSED
+            ram = [i for i, j in enumerate(jobs) if j.parked == "ram" and j.phase is paused]
+            self._in_ram = [jobs[i] for i in sorted(ram, key=keys.__getitem__)]
+        return self._in_ram

@@ -1,0 +1,94 @@
+"""What a round keeps to decide fast with a deep queue gives the rules' own decisions: the lazy
+queue, the victim plans kept per node, and the signature they are kept under."""
+import random
+
+from gpuswap.jobs import Priority
+from gpuswap.policy import Pause, Phase, PolicyConfig, SwitchCosts, decide
+from gpuswap.policy.cluster import ClusterState
+from gpuswap.policy.preemption import Preemption
+from gpuswap.policy.queue import Queue
+from gpuswap.policy.specs import SPECS, Ctx
+from policy_helpers import gpus, job, kinds, snap
+
+
+def test_queue_gives_the_sorted_order_and_what_is_left():
+    rng = random.Random(3)
+    jobs = [job(f"j{i}", Phase.PAUSED if i % 3 else Phase.PENDING, parked="ram" if i % 3 == 1 else None,
+                submit=rng.uniform(0, 100)) for i in range(50)]
+    keys = [(j.submit_time, j.id) for j in jobs]
+    q = Queue(jobs, keys)
+    it = iter(q)
+    first = [next(it) for _ in range(20)]
+    ranked = sorted(zip(keys, jobs), key=lambda e: e[0])
+    assert first == ranked[:20]
+    wanted = [i for i, j in enumerate(jobs) if int(j.id[1:]) % 5 == 0]
+    assert q.rest(wanted) == [e for e in ranked[20:] if int(e[1].id[1:]) % 5 == 0]
+    assert q.in_ram() == [j for _, j in ranked if j.parked == "ram"]    # taken or not
+
+
+def test_wide_jobs_pause_where_the_victim_order_says_each_after_the_last_took_its_node():
+    """Three 2-GPU urgent jobs of one kind, three full nodes: each goes where the victims come
+    first in victim order (the most recently started low job), and a later one never reuses a
+    plan made for a node an earlier one has taken."""
+    now = 1000.0
+    running = [job("low-old", Phase.RUNNING, prio=Priority.LOW, gpus=2, assigned=(0, 1), since=50),
+               job("low-new", Phase.RUNNING, prio=Priority.LOW, gpus=2, assigned=(2, 3), since=80),
+               job("normal", Phase.RUNNING, prio=Priority.NORMAL, gpus=2, assigned=(4, 5), since=10)]
+    waiting = [job(f"u{i}", prio=Priority.URGENT, gpus=2, submit=900 + i, since=900 + i) for i in range(3)]
+    out = decide(snap(now, gpus(2, nodes=3), running + waiting), "priority")
+    assert kinds(out) == [("Pause", "low-new"), ("Pause", "low-old"), ("Pause", "normal")]
+    assert all(isinstance(d, Pause) for d in out)
+    # Alone, the second and third would have chosen the first one's node.
+    out2 = decide(snap(now, gpus(2, nodes=3), running + waiting[1:]), "priority")
+    assert kinds(out2)[0] == ("Pause", "low-new")
+
+
+def test_gpuswap_benefit_reads_the_waiting_job_only_through_its_benefit_rank():
+    """The round keeps victim plans per (level, GPUs, benefit_rank): two waiting jobs with equal
+    ranks must get the same benefit answer for every victim and cost."""
+    spec = SPECS["gpuswap"]
+    rng = random.Random(11)
+    ctx = Ctx(1e5, PolicyConfig(), SwitchCosts(), {"a": 1e4})
+    seen = 0
+    for _ in range(400):
+        attained = rng.choice([0.0, 3600.0, rng.uniform(0, 1e5)])
+        common = dict(prio=rng.choice(list(Priority)), attained=attained, run_s=rng.choice([0.0, 500.0, 1e5]),
+                      since=rng.uniform(0, 1e5))
+        g = rng.choice([1, 2, 4])
+        w1 = job("w1", rng.choice([Phase.PENDING, Phase.PAUSED]), gpus=g, user="a", submit=1.0, **common)
+        w2 = job("w2", w1.phase, gpus=g, user="b", submit=2.0, mem_gib=40, **common)   # same rank, other fields
+        assert spec.benefit_rank(w1, ctx) == spec.benefit_rank(w2, ctx)
+        v = job("v", Phase.RUNNING, prio=rng.choice(list(Priority)), gpus=rng.choice([1, 2]), assigned=(0,),
+                attained=rng.uniform(0, 2e5), since=0)
+        cost = rng.choice([0.5, 5.0, 50.0, 5e3])
+        assert spec.benefit_ok(w1, v, ctx, cost) == spec.benefit_ok(w2, v, ctx, cost)
+        seen += spec.benefit_ok(w1, v, ctx, cost)
+    assert 0 < seen < 400       # both answers were exercised
+
+
+def test_a_full_cluster_nobody_may_be_preempted_on_decides_as_the_whole_round_would():
+    """On a full cluster where no waiting job's level is below every victim's, `decide` skips the
+    round (`Spec.none_below`); `decide_explained` always runs it. Both must decide alike, and the
+    cases where the skip applies and where it does not must both occur."""
+    from gpuswap.policy import decide_explained
+
+    rng = random.Random(5)
+    skipped = {name: 0 for name, spec in SPECS.items() if spec.none_below}
+    for trial in range(60):
+        now, young = 1e5, rng.random() < 0.4        # young: all within their first time slice
+        running = [job(f"r{i}", Phase.RUNNING, prio=rng.choice([Priority.LOW, Priority.NORMAL, Priority.HIGH]),
+                       assigned=(i,), since=now - (rng.uniform(60, 500) if young else rng.uniform(0, 2000)), attained=rng.choice([0.0, 900.0, 5e4, 2e5]),
+                       run_s=1000.0, remaining_s=rng.uniform(1, 1e4)) for i in range(4)]
+        waiting = [job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), prio=rng.choice(list(Priority)),
+                       gpus=rng.choice([1, 2]), attained=rng.choice([0.0, 3e3, 5e4, 4e5]), run_s=rng.choice([0.0, 1e3, 1e5]),
+                       since=now - rng.uniform(0, 5e3), submit=rng.uniform(0, now), remaining_s=rng.uniform(1, 1e4),
+                       parked=None) for i in range(rng.choice([1, 5, 30]))]
+        s = snap(now, gpus(2, nodes=2), running + waiting)
+        for name in skipped:
+            spec = SPECS[name]
+            ctx = Ctx(s.now, s.config, s.costs, s.usage)
+            cl = ClusterState(s)
+            top = Preemption(s, spec, ctx, cl).max_level
+            skipped[name] += top is not None and spec.none_below(cl.waiting, ctx, top)
+            assert decide(s, name) == decide_explained(s, name)[0], (trial, name)
+    assert all(skipped.values()) and not all(v == 60 for v in skipped.values()), skipped
