@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -29,19 +28,11 @@ from rich.table import Table
 
 from gpuswap.api.client import Client, ClientError
 
+from machine import machine  # bench/machine.py: python puts bench/ first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def machine() -> str:
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 class BenchDaemon:

@@ -31,6 +31,8 @@ import time
 from gpuswap import policy
 from gpuswap.policy.model import GpuView, JobView, Phase, Snapshot
 
+from machine import cpu_model  # bench/machine.py: python puts bench/ first on sys.path
+
 GiB = 1024**3
 NOW = 1e6
 DISK = frozenset({"disk"})
@@ -131,15 +133,6 @@ def reference_s(snap: Snapshot, repeat: int) -> float:
     return statistics.median(timed(lambda: sorted(waiting, key=lambda j: (j.submit_time, j.id)), repeat))
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:

@@ -20,18 +20,11 @@ import threading
 import time
 import uuid
 
+from machine import cpu_model  # bench/machine.py: python puts bench/ first on sys.path
+
 GIB = 1 << 30
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def listen_and_drain(address: str) -> socket.socket:

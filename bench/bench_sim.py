@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from machine import cpu_model  # bench/machine.py: python puts bench/ first on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TRACE = os.path.join(HERE, "..", "..", "shared", "data", "philly.csv")
 
@@ -38,15 +40,6 @@ print(json.dumps({"wall_s": wall, "rss_mib": ru.ru_maxrss / 1024, "cpu_s": ru.ru
 """
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def reference_s(trace: str, limit: int) -> float:

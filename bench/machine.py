@@ -1,0 +1,21 @@
+"""What every benchmark prints about the machine it ran on (its table's title and JSON)."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """CPU model, cores and Python: enough to tell two benchmark runs' machines apart."""
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
