@@ -62,7 +62,10 @@ class Daemon:
         # once): at load 17 on 2 cores its start-up alone took over 30 s.
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.home / "daemon.out").read_text()
+            # How it ended (an exit code, or -N for a signal) beside what it printed: a daemon that
+            # dies before its first line (once in CI, not reproduced) says at least that much.
+            assert self.proc.poll() is None, (f"daemon exited with {self.proc.returncode}: "
+                                              + (self.home / "daemon.out").read_text())
             try:
                 self.client.get("/v1/health")
                 return self
