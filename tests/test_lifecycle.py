@@ -55,8 +55,9 @@ def test_the_store_refuses_an_illegal_edge_and_writes_nothing(tmp_path):
     store.update(job, 3.0, state=JobState.RUNNING, assigned=[0], event=NewEvent(K.STARTED, "started on GPU 0"))
     store.update(job, 4.0, event=NewEvent(K.PAUSE_REQUESTED, "pause to ram requested by u", tier="ram",
                                           initiator="user"))          # a note: no state change
-    store.update(job, 5.0, state=JobState.PAUSING, event=NewEvent(K.PARK_STARTED, "pausing to ram", tier="ram",
-                                                                  mechanism="cooperative", initiator="user"))
+    store.update(job, 5.0, state=JobState.PAUSING, mechanism="cooperative", desired="paused", desired_tier="ram",
+                 pause_requested_at=5.0, event=NewEvent(K.PARK_STARTED, "pausing to ram", tier="ram",
+                                                        mechanism="cooperative", initiator="user"))
     store.update(job, 6.0, state=JobState.PAUSED, parked="ram", parked_bytes=1 << 30, home_gpus=[0], assigned=[],
                  mechanism="cooperative", event=NewEvent(K.PARKED_RAM, "parked in RAM: 1.0 GiB"))
     assert Parked.of(store.get(job)) == Parked("ram", "cooperative", 1 << 30, (0,))

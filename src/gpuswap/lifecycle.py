@@ -7,16 +7,16 @@ the API whether a job can be paused, resumed or cancelled, and docs/architecture
 state diagram from it (`mermaid`). No I/O: the policy, the simulator, the daemon and the API all
 import it.
 
-What each state carries on the job's record: PENDING nothing; RUNNING, PAUSING and RESUMING their
-assigned GPUs (and the generation launched); PAUSED a `Parked` (tier, mechanism, bytes, home GPUs),
-or, stopped by SIGSTOP, its assigned GPUs with its memory still on them; an ended state its exit
-code or signal and end time.
+What each state carries on the job's record is the second table here (`CARRIES`), and the store
+checks every record it writes against it (`violations`): a RUNNING job without its GPUs, a PAUSED
+one with no tier it is parked in and no SIGSTOP, an ended one without its end time is refused like
+an illegal edge.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from gpuswap.jobs import JobState
 
@@ -218,6 +218,122 @@ class Parked:
         if job.parked is None:
             return None
         return cls(job.parked, job.mechanism, int(job.parked_bytes), tuple(job.home_gpus))
+
+
+# -- what each state carries ---------------------------------------------------------------------
+# One row per state and, for PAUSED and RESUMING, per place its GPU state is (`parked`): which of
+# the record's fields it must and must not carry. Derived from what the code writes and reads (the
+# controller, node/observe.py, node/freezer.py); the `why` of a row says what is not obvious.
+COOPERATIVE, TRANSPARENT = "cooperative", "transparent"
+PARKING = frozenset({COOPERATIVE, TRANSPARENT})
+
+
+@dataclass(frozen=True)
+class Carries:
+    """What a job in `state`, its GPU state in `parked` (ram | disk | None), carries."""
+
+    state: JobState
+    parked: Optional[str]
+    gpus: bool                    # `assigned`: its GPUs, as many as it asked for; False: none
+    home: bool                    # `home_gpus`: where a RAM park's CUDA context stays, one per GPU; False: none
+    mechanisms: Optional[frozenset[str]] = None   # the `mechanism` it may have (None: any, or none)
+    stopped: Optional[bool] = False   # True: SIGSTOPped; False: not; None: either
+    ended: bool = False           # its end time (and exit code or signal, if a process exited); False: none
+    also: tuple[tuple[str, Callable[[Any], bool]], ...] = ()   # other facts: (what it says, test)
+    why: str = ""
+
+
+def _transparent_if_stopped(j: Any) -> bool:
+    return not j.stopped or j.mechanism == TRANSPARENT
+
+
+_FROZEN_STOP = ("stopped only if the driver froze it", _transparent_if_stopped)
+_SIZE = ("the size of what is parked (parked_bytes >= 0)", lambda j: (j.parked_bytes or 0) >= 0)
+
+CARRIES: tuple[Carries, ...] = (
+    Carries(P, None, gpus=False, home=False),
+    Carries(R, None, gpus=True, home=False, also=(
+        ("asks its supervisor to run (desired running)", lambda j: j.desired == "running"),),
+        why="every way back to RUNNING clears the park (parked, home GPUs), the stop and the request to park; "
+            "a job stopped by the SIGSTOP fallback is PAUSED (PAUSING until the stop is confirmed)"),
+    Carries(PG, None, gpus=True, home=False, mechanisms=PARKING, stopped=None, also=(
+        ("the tier asked for (desired_tier ram | disk)", lambda j: j.desired_tier in ("ram", "disk")),
+        ("the time it was asked (pause_requested_at)", lambda j: j.pause_requested_at is not None)),
+        why="still on its GPUs; stopped while the SIGSTOP fallback or the driver's last step is confirmed"),
+    Carries(PD, "ram", gpus=False, home=True, mechanisms=PARKING, stopped=None, also=(_FROZEN_STOP, _SIZE),
+            why="its runtime's memory or the driver's checkpoint is in host RAM; a driver-frozen tree stays "
+                "stopped; a spill to disk under way keeps this shape until its checkpoint is written"),
+    Carries(PD, "disk", gpus=False, home=False, mechanisms=frozenset({COOPERATIVE}), also=(_SIZE,),
+            why="its process exited after writing the checkpoint (also when the checkpoint completed after "
+                "its request was dropped: a park given up on, or a spill a resume overtook)"),
+    Carries(PD, None, gpus=True, home=False, stopped=True,
+            why="the SIGSTOP fallback: nothing was moved, its memory stays on its GPUs"),
+    Carries(RS, "ram", gpus=True, home=True, mechanisms=PARKING, stopped=None, also=(_FROZEN_STOP, _SIZE),
+            why="given GPUs again, it keeps its parked data until the resume is confirmed; a driver-frozen "
+                "tree is continued before the driver restores it (home GPUs: where the thaw maps from)"),
+    Carries(RS, "disk", gpus=True, home=False, mechanisms=frozenset({COOPERATIVE}), also=(_SIZE,),
+            why="restarted on its new GPUs; parked until its runtime reports the restore"),
+    *(Carries(s, None, gpus=False, home=False, ended=True,
+              why="no exit code or signal when no process of it exited (cancelled before it ran or while "
+                  "parked on disk; its supervisor died)") for s in (COMPLETED, FAILED, CANCELLED)),
+)
+_CARRIES = {(c.state, c.parked): c for c in CARRIES}
+# The fields the table reads: a change of none of them (and not of the state) cannot break a row.
+CARRIED_FIELDS = frozenset({"state", "parked", "parked_bytes", "assigned", "home_gpus", "gpus", "mechanism",
+                            "stopped", "end_time", "exit_code", "signal", "desired", "desired_tier",
+                            "pause_requested_at"})
+
+
+class InvalidRecord(IllegalTransition):
+    """A record that does not carry what its state must (CARRIES): a bug in the code that wrote it."""
+
+
+def violations(job: Any) -> list[str]:
+    """What `job` (a record with the JobRecord fields) carries against the table; [] when it fits."""
+    state = JobState(job.state)
+    row = _CARRIES.get((state, job.parked))
+    if row is None:
+        return [f"a {state.value} job cannot be parked in {job.parked!r}"]
+    out: list[str] = []
+    assigned, home = list(job.assigned or []), list(job.home_gpus or [])
+    if row.gpus and (len(assigned) != job.gpus or len(set(assigned)) != len(assigned)):
+        out.append(f"a {_name(row)} job must hold its {job.gpus} GPU(s); assigned is {assigned}")
+    if not row.gpus and assigned:
+        out.append(f"a {_name(row)} job must hold no GPU; assigned is {assigned}")
+    if row.home and len(home) != job.gpus:
+        out.append(f"a {_name(row)} job must keep its {job.gpus} home GPU(s); home_gpus is {home}")
+    if not row.home and home:
+        out.append(f"a {_name(row)} job must have no home GPUs; home_gpus is {home}")
+    if row.parked is None and job.parked_bytes:
+        out.append(f"a {_name(row)} job must have nothing parked; parked_bytes is {job.parked_bytes}")
+    if row.mechanisms is not None and job.mechanism not in row.mechanisms:
+        out.append(f"a {_name(row)} job must be parked by {' or '.join(sorted(row.mechanisms))}; mechanism is "
+                   f"{job.mechanism!r}")
+    if row.stopped is not None and bool(job.stopped) != row.stopped:
+        out.append(f"a {_name(row)} job must {'' if row.stopped else 'not '}be stopped; stopped is {bool(job.stopped)}")
+    if row.ended and job.end_time is None:
+        out.append(f"a {state.value} job must have its end time; end_time is None")
+    if not row.ended and (job.end_time, job.exit_code, job.signal) != (None, None, None):
+        out.append(f"a {state.value} job must have no end time, exit code or signal; they are "
+                   f"{job.end_time}, {job.exit_code}, {job.signal}")
+    for what, holds in row.also:
+        if not holds(job):
+            out.append(f"a {_name(row)} job must carry {what}")
+    return out
+
+
+def _name(row: Carries) -> str:
+    if row.state not in (PD, RS):
+        return row.state.value
+    return f"{row.state.value} ({'SIGSTOPped' if row.parked is None else 'parked in ' + row.parked})"
+
+
+def check_record(job: Any, before: Iterable[str] = ()) -> None:
+    """Raise InvalidRecord if `job` breaks the table in a way `before` (what the record broke before
+    this write) did not: a row an older gpuswap wrote is not stuck for a fault the write did not make."""
+    new = [v for v in violations(job) if v not in set(before)]
+    if new:
+        raise InvalidRecord(f"job {job.id} in {JobState(job.state).value}: " + "; ".join(new))
 
 
 def mermaid() -> str:

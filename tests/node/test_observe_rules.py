@@ -13,7 +13,7 @@ from gpuswap import lifecycle
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState
 from gpuswap.lifecycle import EventKind as K
 from gpuswap.node.launcher import Observation
-from gpuswap.node.observe import Facts, Rules, Verdict, decide, reads_status, wants_residue
+from gpuswap.node.observe import Facts, Rules, Verdict, _after, decide, reads_status, wants_residue
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import KillProcesses, RemoveCheckpoints, Sample
 
@@ -57,7 +57,7 @@ def seen(runtime: Optional[dict] = None, exit: Optional[dict] = None, alive: boo
 # (name, record, facts, rules, [(changes, kind, text, effects), ...] at T unless `at` given)
 ROWS: list[tuple[str, JobRecord, Facts, Rules, list[tuple]]] = [
     ("pending: nothing to read", job(state=P, generation=0, assigned=[]), Facts(None), RULES, []),
-    ("pending, cancelled", job(state=P, generation=0, cancel_requested=True), Facts(None), RULES,
+    ("pending, cancelled", job(state=P, generation=0, assigned=[], cancel_requested=True), Facts(None), RULES,
      [(dict(end_time=T, state=JobState.CANCELLED, assigned=[], parked=None, parked_bytes=0), K.CANCELLED,
        "cancelled before it ran", (RemoveCheckpoints(7),))]),
     ("parked on disk, cancelled", job(**PARKED_DISK, cancel_requested=True), Facts(None), RULES,
@@ -73,10 +73,16 @@ ROWS: list[tuple[str, JobRecord, Facts, Rules, list[tuple]]] = [
     ("supervisor died, processes left", job(), Facts(seen(alive=False, job_start_ticks=99), orphans=2), RULES,
      [({}, None, None, (KillProcesses(4242, 99, ()),))]),
     ("supervisor died, nothing left", job(), Facts(seen(alive=False)), RULES,
-     [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0), K.FAILED,
+     [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
+            stopped=False), K.FAILED,
        "its supervisor died without recording an exit status; its processes were killed", ())]),
+    ("supervisor of a RAM-parked job died", job(**PARKED_RAM), Facts(seen(alive=False)), RULES,
+     [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
+            stopped=False), K.FAILED, "its supervisor died without recording an exit status; its processes were "
+                                      "killed", ())]),
     ("supervisor died before the job", job(), Facts(Observation({"stopped": False}, False, T - 100)), RULES,
-     [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0), K.FAILED,
+     [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
+            stopped=False), K.FAILED,
        "its supervisor died before starting the job", ())]),
     ("exit 0", job(), Facts(seen(exit={"code": 0, "time": T - 3})), RULES,
      [(dict(end_time=T - 3, state=JobState.COMPLETED, exit_code=0, signal=None, **ENDED), K.COMPLETED,
@@ -220,9 +226,12 @@ def test_each_rule(name, record, facts, rules, want):
     assert got == expected(want)
     assert verdict.driver is None
     state = record.state
+    assert lifecycle.violations(record) == []   # a record the daemon could have written ...
     for t in verdict.transitions:          # every state change is an edge of the lifecycle table
         lifecycle.check(state, t.event.kind if t.event else None, t.changes.get("state"))
         state = t.changes.get("state", state)
+        record = _after(record, t)
+        assert lifecycle.violations(record) == []   # ... and what each transition leaves carries what its state does
     if len(want) == 2 and want[0][1] is K.RESTARTED_DISK:
         assert verdict.transitions[0].at == T - 2      # recorded at the exit time, before the exit
 

@@ -105,7 +105,9 @@ def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
 def _after(job: JobRecord, t: Transition) -> JobRecord:
     """The record as `t` leaves it (what the store would read back)."""
     changes = {k: v for k, v in t.changes.items() if k in {f.name for f in dataclasses.fields(JobRecord)}}
-    return dataclasses.replace(job, **changes, reason=t.event.text if t.event else job.reason)
+    if t.event is not None and "reason" not in changes:     # as Store.update: the event's text, unless set
+        changes["reason"] = t.event.text
+    return dataclasses.replace(job, **changes)
 
 
 def _track_usage(job: JobRecord, rt: RuntimeFacts, now: float) -> Optional[Transition]:
@@ -222,8 +224,10 @@ def _supervisor_died(job: JobRecord, obs: Observation, orphans: int, now: float)
         why = "its supervisor died without recording an exit status; its processes were killed"
     else:
         why = "its supervisor died before starting the job"
-    return _end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0,
-                event=NewEvent(K.FAILED, why))
+    # An ended job keeps nothing of a park or a stop (lifecycle.CARRIES): a RAM-parked or SIGSTOPped
+    # job's supervisor can die too.
+    return _end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
+                stopped=False, event=NewEvent(K.FAILED, why))
 
 
 def _end(job: JobRecord, now: float, event: NewEvent, **changes: Any) -> Transition:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Optional
 
 from gpuswap.jobs import JobState
+from gpuswap.lifecycle import Parked
 
 _JSON_COLUMNS = {"argv", "env", "assigned", "home_gpus", "residue", "ranks"}
 _BOOL_COLUMNS = {"preemptible", "hold", "no_runtime", "stopped", "cancel_requested", "attached"}
@@ -79,6 +80,11 @@ class JobRecord:
         if self.state in (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING):
             return True
         return self.state == JobState.PAUSED and self.stopped and self.parked is None
+
+    @property
+    def parked_state(self) -> Optional[Parked]:
+        """Where its GPU state is parked (tier, mechanism, bytes, home GPUs), None when nothing is."""
+        return Parked.of(self)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "JobRecord":

@@ -100,12 +100,18 @@ class Store:
                                      (jid, argv, len(argv.encode("utf-8", "surrogatepass")), json.dumps(j.env)))
                     self._db.execute(_EVENT_INSERT, (jid, now, JobState.PENDING.value, "submitted", None,
                                                      EventKind.SUBMITTED.value, None, None))
+                    lifecycle.check_record(self._record(jid))
                     ids.append(jid)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
         return ids
+
+    def _record(self, job_id: int) -> Optional[JobRecord]:
+        """The row as the open transaction sees it, without its argv (the lifecycle checks read it)."""
+        row = self._db.execute(f"SELECT {RECORD_COLUMNS_NO_ARGV} FROM jobs j WHERE j.id=?", (job_id,)).fetchone()
+        return JobRecord.from_row(row) if row else None
 
     def get(self, job_id: int) -> Optional[JobRecord]:
         with self._lock:
@@ -144,8 +150,9 @@ class Store:
         """Change columns of a job; with `event`, also record an event, atomically.
 
         The event's state is the job's state after the change. A change of state, or an event of a
-        kind that moves jobs, must be an edge of gpuswap.lifecycle's table: otherwise
-        IllegalTransition is raised and nothing is written. A bare sentence is an event of no kind
+        kind that moves jobs, must be an edge of gpuswap.lifecycle's table, and the record it leaves
+        must carry what its state does (lifecycle.CARRIES): otherwise IllegalTransition (or its
+        InvalidRecord) is raised and nothing is written. A bare sentence is an event of no kind
         (it can change no state); `initiator` ('policy' or 'user') says who asked, when `event`
         does not.
         """
@@ -161,6 +168,8 @@ class Store:
                     if row is not None:
                         new = changes.get("state")
                         lifecycle.check(JobState(row[0]), kind, JobState(new) if new is not None else None)
+                carried = not lifecycle.CARRIED_FIELDS.isdisjoint(changes)
+                before = self._record(job_id) if carried else None
                 if "state" in changes:
                     changes.setdefault("state_since", now)
                 changes["version"] = self._next_version()
@@ -170,6 +179,8 @@ class Store:
                         f"UPDATE jobs SET {cols} WHERE id=?",
                         [encode(k, v) for k, v in changes.items()] + [job_id],
                     )
+                if before is not None:     # what the state carries (lifecycle.CARRIES), as written
+                    lifecycle.check_record(self._record(job_id), lifecycle.violations(before))
                 if changes.get("state") in _ENDED:   # its environment is never needed again
                     self._db.execute("UPDATE job_specs SET env=NULL WHERE job_id=?", (job_id,))
                 if ev is not None:
