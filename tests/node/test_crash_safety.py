@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+from gpuswap.jobs import JobState
+from gpuswap.lifecycle import EventKind, NewEvent
+from gpuswap.node.store import Store
 from gpuswap_testing import Gate
 
 
@@ -90,6 +93,33 @@ def test_parked_in_ram_survives_daemon_kill_and_resumes_exactly(daemon, home, re
     daemon.state(urgent, "COMPLETED", timeout=30)
     daemon.state(long_id, "COMPLETED", timeout=120)
     assert json.loads((home / "long.json").read_text())["sha256"] == reference_hashes(steps)
+
+
+def test_a_spill_the_api_recorded_before_a_kill_is_made_after_the_restart(daemon, home, reference_hashes):
+    """The API records only a user's intent (hold and the tier asked for); the controller turns it
+    into the spill. A daemon killed between the two finds the intent in its database and spills."""
+    steps = 150
+    gate = Gate(home / "s.go")        # it cannot finish before it was parked, spilled and resumed
+    job = daemon.submit(gate.train(home / "s.json", steps, 0.03), name="s")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
+    assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    daemon.kill9()
+    store = Store(home / "state.db")  # exactly what `pause --to disk` writes, and nothing of the controller's
+    store.update(job, time.time(), hold=True, hold_tier="disk", event=NewEvent(
+        EventKind.PAUSE_REQUESTED, "spill to disk requested by test", tier="disk", initiator="user"))
+    before = store.get(job)
+    store.close()
+    assert (before.state, before.parked, before.desired_tier) == (JobState.PAUSED, "ram", "ram")
+    daemon.start()
+    j = daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")
+    asked = [(e["kind"], e["tier"], e["initiator"]) for e in j["events"] if e["kind"] in ("pause_requested",
+                                                                                          "spill_requested")]
+    assert asked[-2:] == [("pause_requested", "disk", "user"), ("spill_requested", "disk", "user")], j["events"]
+    assert daemon.cli("resume", str(job)).returncode == 0
+    gate.open()
+    daemon.state(job, "COMPLETED", timeout=120)
+    assert json.loads((home / "s.json").read_text())["sha256"] == reference_hashes(steps)
 
 
 def test_repeated_kills_during_a_busy_queue_lose_nothing(daemon):

@@ -38,7 +38,8 @@ def expected(name: str) -> dict:
     read as their defaults, and a finished job's environment is dropped (as when a job ends now)."""
     want = json.loads((DATA / f"{name}.json").read_text())
     for job in want["jobs"]:
-        for column, default in (("residue", {}), ("ranks", []), ("width", 1), ("ram_refusal", None)):
+        for column, default in (("residue", {}), ("ranks", []), ("width", 1), ("ram_refusal", None),
+                                ("hold_tier", None)):
             job.setdefault(column, default)
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             want["env"][str(job["id"])] = {}
@@ -151,6 +152,31 @@ def test_a_database_from_a_newer_version_is_refused_untouched(tmp_path, journal)
                        f"{LATEST + 1}; this one knows up to {LATEST}): run that version or newer, nothing was changed\n"
     assert path.read_bytes() == data and path.stat().st_mtime_ns == mtime
     assert not (home / "state.db-wal").exists() or (home / "state.db-wal").stat().st_size == 0
+
+
+def test_a_held_jobs_requested_tier_moves_to_hold_tier(tmp_path):
+    """Version 3: the API wrote a user's pause tier into `desired_tier` (the controller's column); it is
+    `hold_tier` now. A held live job keeps what its request named, so a pause or spill asked just
+    before the upgrade is still carried out after it; other rows gain no tier."""
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, STEPS[:2]) == [1, 2]       # a database version 2 wrote
+    ids = {}
+    for name, state, parked, hold, tier in (("running", "RUNNING", None, 1, "disk"), ("spilling", "PAUSED", "ram", 1, "disk"),
+                                            ("in-ram", "PAUSED", "ram", 1, "ram"), ("ended", "COMPLETED", None, 1, "disk"),
+                                            ("unheld", "PAUSING", None, 0, "ram")):
+        ids[name] = db.execute(
+            "INSERT INTO jobs (name,user,uid,gid,cwd,priority,gpus,mem_bytes,preemptible,state,submit_time,state_since,"
+            "parked,hold,desired_tier) VALUES (?,'u',1,1,'/',1,1,0,1,?,1,1,?,?,?)",
+            (name, state, parked, hold, tier)).lastrowid
+    db.close()
+    store = Store(path)
+    try:
+        assert {n: store.get(i).hold_tier for n, i in ids.items()} == {
+            "running": "disk", "spilling": "disk", "in-ram": "ram", "ended": None, "unheld": None}
+    finally:
+        store.close()
+    assert version(path) == LATEST
 
 
 def _probe(column: str, ran: list[int] | None = None) -> Step:

@@ -88,7 +88,7 @@ def world(tmp_path: Path):
                                       pause_mode="transparent")], time.time())
     store.update(job_id, time.time(), state=JobState.RUNNING, assigned=[0], generation=1,
                  event=NewEvent(EventKind.STARTED, "started on GPU 0"))
-    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent",
+    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent", desired_tier="ram",
                  pause_requested_at=time.time(), event=NewEvent(EventKind.PARK_STARTED, "freezing through the driver"))
     driver = FakeDriver()
     gpus = FakeGpus(driver)

@@ -14,14 +14,21 @@ from gpuswap.node.store import NewJob, Store
 def _history(store: Store, job: int, say) -> None:
     """A user's pause to RAM, a policy spill to disk, a restart from disk, and the end."""
     store.update(job, 2, state=JobState.RUNNING, assigned=[0], event=NewEvent(K.STARTED, say("start")))
-    store.update(job, 3, state=JobState.PAUSING, event=NewEvent(K.PARK_STARTED, say("pause"), tier="ram",
-                                                               mechanism="cooperative", initiator="user"))
-    store.update(job, 4, state=JobState.PAUSED, parked="ram", event=NewEvent(K.PARKED_RAM, say("parked")))
-    store.update(job, 5, event=NewEvent(K.SPILL_REQUESTED, say("spill"), initiator="policy"))
-    store.update(job, 7, state=JobState.PAUSED, parked="disk", event=NewEvent(K.SPILLED, say("spilled")))
-    store.update(job, 8, state=JobState.RESUMING, event=NewEvent(K.RESUME_STARTED, say("resume"), tier="disk"))
-    store.update(job, 10, state=JobState.RUNNING, parked=None, event=NewEvent(K.RESTARTED_DISK, say("restarted")))
-    store.update(job, 11, state=JobState.COMPLETED, end_time=11, event=NewEvent(K.COMPLETED, say("done")))
+    store.update(job, 3, state=JobState.PAUSING, mechanism="cooperative", desired="paused", desired_tier="ram",
+                 pause_requested_at=3, event=NewEvent(K.PARK_STARTED, say("pause"), tier="ram",
+                                                      mechanism="cooperative", initiator="user"))
+    store.update(job, 4, state=JobState.PAUSED, parked="ram", parked_bytes=1 << 20, home_gpus=[0], assigned=[],
+                 event=NewEvent(K.PARKED_RAM, say("parked")))
+    store.update(job, 5, desired_tier="disk", pause_requested_at=5,
+                 event=NewEvent(K.SPILL_REQUESTED, say("spill"), initiator="policy"))
+    store.update(job, 7, state=JobState.PAUSED, parked="disk", home_gpus=[], desired="running", desired_tier=None,
+                 event=NewEvent(K.SPILLED, say("spilled")))
+    store.update(job, 8, state=JobState.RESUMING, assigned=[0], event=NewEvent(K.RESUME_STARTED, say("resume"),
+                                                                             tier="disk"))
+    store.update(job, 10, state=JobState.RUNNING, parked=None, parked_bytes=0,
+                 event=NewEvent(K.RESTARTED_DISK, say("restarted")))
+    store.update(job, 11, state=JobState.COMPLETED, end_time=11, exit_code=0, assigned=[],
+                 event=NewEvent(K.COMPLETED, say("done")))
 
 
 def _fold(tmp_path: Path, say) -> EventFold:

@@ -173,25 +173,32 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if job.no_runtime:
             raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
                                      f"(no gpuswap runtime attached, or none within the pause timeout)")
-        if job.hold and not (job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"):
+        spill = job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"
+        if job.hold and (not spill or "disk" in (job.hold_tier, job.desired_tier)):
             where = f"parked {'on disk' if job.parked == 'disk' else 'in RAM'}" if job.parked else "held"
-            done = (f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
+            done = (f"job {job_id} already has a spill to disk under way; nothing to do" if spill else
+                    f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
                     else f"job {job_id} already has a pause under way ({job.state.value}); nothing to do")
             return {**record(job), "nothing_done": done}
-        if job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk":
-            store.update(job_id, time.time(), hold=True, desired="paused", desired_tier="disk",
-                         pause_requested_at=time.time(),
-                         event=NewEvent(K.SPILL_REQUESTED, f"spill to disk requested by {who.user}", initiator="user"))
-        elif not job.hold:
-            store.update(job_id, time.time(), hold=True, desired_tier=req.to,
-                         event=NewEvent(K.PAUSE_REQUESTED, f"pause to {req.to} requested by {who.user}",
-                                        tier=req.to, initiator="user"))
+        # Only the user's intent is written (hold, and the tier asked for); the controller turns it
+        # into the pause or the spill, and answers here by moving the job or refusing the request.
+        store.update(job_id, time.time(), hold=True, hold_tier=req.to, event=NewEvent(
+            K.PAUSE_REQUESTED, f"spill to disk requested by {who.user}" if spill
+            else f"pause to {req.to} requested by {who.user}", tier=req.to, initiator="user"))
         controller.wake()
+        if spill:
+            # Answered once the controller asked the job's supervisor (desired_tier), or refused it
+            # (hold_tier back to RAM); the spill itself takes as long as the checkpoint does.
+            job = wait_for(job_id, lambda j: j.desired_tier == "disk" or j.hold_tier != "disk" or not j.hold
+                           or j.parked != "ram", 2.0)
+            if job.parked == "ram" and job.hold and job.hold_tier != "disk":
+                raise HTTPException(409, f"job {job_id}: {job.reason}")
+            return record(job)
         # The controller either starts the pause (the job leaves RUNNING) or refuses it, which
         # drops the hold with the reason: a refusal is a failed request, not a success.
         # A job whose runtime has not attached yet keeps the request (deferred, with its event).
         job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
-                       or j.reason == deferred_pause_text(j.desired_tier or "ram"), 2.0)
+                       or j.reason == deferred_pause_text(j.hold_tier or "ram"), 2.0)
         if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
             raise HTTPException(409, f"job {job_id}: {job.reason}")
         return record(job)

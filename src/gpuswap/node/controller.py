@@ -3,7 +3,8 @@
 Level-triggered, as a Kubernetes controller: every tick re-reads the database and every live
 job's supervisor status, so a daemon restarted at any instant simply converges. Each move is
 written to SQLite *before* it is carried out (a launch is idempotent per generation), and the
-API never changes a job's state itself: it records the user's intent (cancel, hold) and wakes us.
+API never changes a job's state itself: it records the user's intent (cancel, hold and the tier
+asked for) and wakes us; `_apply_user_intent` turns it into moves.
 """
 from __future__ import annotations
 
@@ -235,9 +236,14 @@ class Controller:
 
     # -- moves ------------------------------------------------------------------------------
     def _apply_user_intent(self, job: JobRecord, now: float) -> None:
-        """A user's `pause` (hold) on a running job becomes a pause request, like a policy one."""
-        if job.hold and job.state == JobState.RUNNING and not job.cancel_requested:
-            tier = job.desired_tier or "ram"
+        """A user's `pause` becomes the controller's move, like a policy one: a held running job's
+        pause to its `hold_tier`, a held RAM-parked job's spill to disk. The API records only what
+        was asked (hold, hold_tier); this turns it into the move on every tick until the move is
+        recorded, so a daemon killed between the two still makes it after its restart."""
+        if not job.hold or job.cancel_requested:
+            return
+        if job.state == JobState.RUNNING:
+            tier = job.hold_tier or "ram"
             if awaiting_runtime(job, now) and not self._freezable_now(job, tier):
                 # Decided on a job still importing its framework, a disk pause would be refused and
                 # a RAM one tried on a process with no CUDA state; wait for the attach (or the grace).
@@ -246,11 +252,21 @@ class Controller:
                                                                   tier=tier, initiator="user"))
                 return
             if tier not in tiers_for(job, self.transparent_ok):
-                self.store.update(job.id, now, hold=False, desired_tier=None, event=NewEvent(
+                self.store.update(job.id, now, hold=False, event=NewEvent(
                     K.PAUSE_REFUSED, f"pause to {tier} refused: this job cannot be parked there "
                                      f"({self._why_not(job)})", tier=tier, initiator="user"))
                 return
             self._pause(job, tier, now, "requested by user", by="user")
+        elif (job.state == JobState.PAUSED and job.parked == "ram" and job.hold_tier == "disk"
+              and job.desired_tier != "disk"):             # not yet asked of its supervisor
+            if job.mechanism == "transparent":
+                # Its process tree is frozen by the driver: nothing in it can write a checkpoint.
+                # The request is answered (hold_tier back to RAM); the job stays held in RAM.
+                self.store.update(job.id, now, hold_tier="ram", event=NewEvent(
+                    K.PAUSE_REFUSED, "spill to disk refused: a driver-frozen job is held in RAM; CRIU disk dumps "
+                                     "are not supported", tier="disk", initiator="user"))
+                return
+            self._spill(job, now, "requested by user", by="user")
 
     def _freezable_now(self, job: JobRecord, tier: str) -> bool:
         """A RAM pause of a job not yet attached can be carried out by the driver right away if the
@@ -275,9 +291,7 @@ class Controller:
             self._resume(job, d, now)
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
-            self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
-                              event=NewEvent(K.SPILL_REQUESTED, _with_reason("spilling from RAM to disk", d.reason),
-                                             initiator="policy"))
+            self._spill(job, now, d.reason, by="policy")
         else:
             return
         self.store.record_decision(now, type(d).__name__.lower(), job.id, detail)
@@ -295,6 +309,13 @@ class Controller:
             changes["preemptions"] = job.preemptions + 1
         self.store.update(job.id, now, event=NewEvent(K.PARK_STARTED, _with_reason(what, reason), tier=tier,
                                                       mechanism=mech, initiator=by), **changes)
+
+    def _spill(self, job: JobRecord, now: float, reason: str, by: str) -> None:
+        """Ask a RAM-parked job's runtime to move its state to disk (pushed to its supervisor later
+        in this tick); the request time bounds which runtime error answers it (observe.py)."""
+        self.store.update(job.id, now, desired="paused", desired_tier="disk", pause_requested_at=now,
+                          event=NewEvent(K.SPILL_REQUESTED, _with_reason("spilling from RAM to disk", reason),
+                                         initiator=by))
 
     def _ram_room(self, job: JobRecord) -> int:
         """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;

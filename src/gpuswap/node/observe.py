@@ -92,7 +92,9 @@ def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
     if job.state == PD and job.parked == "ram" and job.desired_tier == "disk" and _failed_since(rt, job.pause_requested_at):
         # The park in RAM stands, and so does whoever asked for it: a user's pause (hold)
         # waits for the user's resume; a policy spill leaves it to the policy.
-        out.append(Transition(now, dict(desired_tier="ram"), NewEvent(
+        # A user's spill is answered: the hold stays, to RAM (else the controller would ask again).
+        undo = dict(hold_tier="ram") if job.hold_tier == "disk" else {}
+        out.append(Transition(now, dict(desired_tier="ram", **undo), NewEvent(
             K.SPILL_FAILED, f"spill to disk failed, job stays parked in RAM: {rt.error}")))
         return Verdict(tuple(out))
     if job.mechanism == "transparent" and job.state in (PG, RS):

@@ -73,6 +73,9 @@ class JobRecord:
     width: int = 1
     # Why its ranks cannot rebuild their process group (their runtime said so): parked to disk only.
     ram_refusal: Optional[str] = None
+    # The user's intent, as the API records it (the controller's columns are `desired*`): where a
+    # held job is to be parked, ram | disk (None: RAM). Meaningful while `hold` is set.
+    hold_tier: Optional[str] = None
 
     @property
     def holds_gpu(self) -> bool:

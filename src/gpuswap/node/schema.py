@@ -227,11 +227,25 @@ def _event_kinds(db: sqlite3.Connection) -> None:
                "OR (kind IS NULL AND state='PAUSING'))")
 
 
+# -- version 3: the API records a user's pause as intent only (issue 14): the tier the user asked for --
+# Until now the API wrote the requested tier into `desired_tier`, the controller's own column (what
+# the job's supervisor is asked). A held job's request moves to `hold_tier`; for a live held job
+# written before, the tier its request named was `desired_tier` (the API's write, or the controller's
+# once it acted on it), so a request made just before the upgrade is still carried out after it.
+def _hold_tier(db: sqlite3.Connection) -> None:
+    if "hold_tier" not in columns(db, "jobs"):
+        db.execute("ALTER TABLE jobs ADD COLUMN hold_tier TEXT")
+    db.execute(f"UPDATE jobs SET hold_tier=desired_tier WHERE hold=1 AND state NOT IN {_BASELINE_ENDED} "
+               "AND desired_tier IN ('ram','disk')")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
     Step(1, "the gpuswap 0.1.0 layout (and any earlier database brought up to it)", _baseline),
     Step(2, "events gain kind, tier and mechanism (old rows' inferred from their wording)", _event_kinds),
+    Step(3, "jobs gain hold_tier, the tier a user's pause asked for (held live jobs' from desired_tier)",
+         _hold_tier),
 )
 LATEST = STEPS[-1].version
 
