@@ -21,6 +21,10 @@ def test_the_docs_diagram_is_the_table():
     assert blocks == [lifecycle.mermaid()]
 
 
+def test_the_docs_table_of_what_each_state_carries_is_the_table():
+    assert lifecycle.carries_table() in DOC.read_text()
+
+
 def test_every_kind_is_an_edge_or_a_note_and_no_edge_is_ambiguous():
     moving = {e.kind for e in EDGES}
     assert moving | NOTES == set(K) and not moving & NOTES

@@ -257,7 +257,7 @@ CARRIES: tuple[Carries, ...] = (
         why="every way back to RUNNING clears the park (parked, home GPUs), the stop and the request to park; "
             "a job stopped by the SIGSTOP fallback is PAUSED (PAUSING until the stop is confirmed)"),
     Carries(PG, None, gpus=True, home=False, mechanisms=PARKING, stopped=None, also=(
-        ("the tier asked for (desired_tier ram | disk)", lambda j: j.desired_tier in ("ram", "disk")),
+        ("the tier asked for (desired_tier ram or disk)", lambda j: j.desired_tier in ("ram", "disk")),
         ("the time it was asked (pause_requested_at)", lambda j: j.pause_requested_at is not None)),
         why="still on its GPUs; stopped while the SIGSTOP fallback or the driver's last step is confirmed"),
     Carries(PD, "ram", gpus=False, home=True, mechanisms=PARKING, stopped=None, also=(_FROZEN_STOP, _SIZE),
@@ -334,6 +334,27 @@ def check_record(job: Any, before: Iterable[str] = ()) -> None:
     new = [v for v in violations(job) if v not in set(before)]
     if new:
         raise InvalidRecord(f"job {job.id} in {JobState(job.state).value}: " + "; ".join(new))
+
+
+def carries_table() -> str:
+    """CARRIES as a Markdown table (docs/architecture.md holds this text); rows alike but for their
+    state are one row."""
+    lines = ["| state | parked | assigned | home_gpus | mechanism | stopped | end_time, exit_code, signal | "
+             "also | why |", "|---|---|---|---|---|---|---|---|---|"]
+    cells: list[tuple[list[str], list[str]]] = []
+    for c in CARRIES:
+        rest = [f"`{c.parked}`" if c.parked else "none (parked_bytes 0)", "its GPUs" if c.gpus else "none",
+                "its GPUs" if c.home else "none",
+                " or ".join(sorted(c.mechanisms)) if c.mechanisms else "any",
+                {True: "yes", False: "no", None: "either"}[c.stopped],
+                "end time (exit code or signal if it exited)" if c.ended else "none",
+                "; ".join(what for what, _ in c.also), c.why]
+        if cells and cells[-1][1] == rest:
+            cells[-1][0].append(c.state.value)
+        else:
+            cells.append(([c.state.value], rest))
+    lines += ["| " + " | ".join([", ".join(states), *rest]) + " |" for states, rest in cells]
+    return "\n".join(lines) + "\n"
 
 
 def mermaid() -> str:
