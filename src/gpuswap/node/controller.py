@@ -342,26 +342,27 @@ class Controller:
         return f"pause mode {job.pause_mode}; {self.driver.capability.reason}"
 
     def _resume(self, job: JobRecord, d: Resume, now: float) -> None:
-        if job.stopped and job.parked is None:     # the SIGSTOP fallback: nothing was moved
+        park = job.parked_state
+        if park is None and job.stopped:     # the SIGSTOP fallback: nothing was moved
             self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, last_start=now,
                               event=NewEvent(K.CONTINUED, _with_reason("continued (SIGCONT)", d.reason),
                                              initiator="policy"))
-        elif job.parked == "ram":
-            movable = job.mechanism == "transparent"
-            pinned = job.home_gpus and not (movable and self.driver.capability.migration)
-            if pinned and sorted(d.gpus) != sorted(job.home_gpus):
-                return   # its CUDA context lives on home_gpus; wait for those
+        elif park is not None and park.tier == "ram":
+            movable = park.mechanism == "transparent"
+            pinned = park.home_gpus and not (movable and self.driver.capability.migration)
+            if pinned and sorted(d.gpus) != sorted(park.home_gpus):
+                return   # its CUDA context lives on its home GPUs; wait for those
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
                               assigned=list(d.gpus), event=NewEvent(
                                   K.RESUME_STARTED, _with_reason(f"{'thawing' if movable else 'resuming from RAM'} "
                                                                  f"on GPU {_gpus(d.gpus)}", d.reason),
-                                  tier="ram", mechanism=job.mechanism, initiator="policy"))
-        elif job.parked == "disk":
+                                  tier="ram", mechanism=park.mechanism, initiator="policy"))
+        elif park is not None and park.tier == "disk":
             gen = job.generation + 1
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
                               assigned=list(d.gpus), generation=gen, attached=False, event=NewEvent(
                                   K.RESUME_STARTED, _with_reason(
-                                      f"restarting from its disk checkpoint ({format_size(job.parked_bytes)}) "
+                                      f"restarting from its disk checkpoint ({format_size(park.nbytes)}) "
                                       f"on GPU {_gpus(d.gpus)}", d.reason),
                                   tier="disk", mechanism="cooperative", initiator="policy"))
             self._launch(job, gen, d.gpus)
