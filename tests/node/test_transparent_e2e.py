@@ -207,6 +207,27 @@ def test_transparent_only_job_is_not_parked_to_disk(daemon, home):
     daemon.cli("cancel", str(plain))
 
 
+def test_a_users_spill_of_a_frozen_job_is_refused_and_it_stays_held_in_ram(daemon, home):
+    """Its process tree is stopped by the driver and gpuswap drives no CRIU: a spill to disk cannot be
+    made. The controller refuses the user's request (the API answers 409 with why); the job stays
+    parked in RAM and held, and resumes on the user's word."""
+    gate = Gate(home / "go")
+    cmd, ready = fake(home, GiB, gate)
+    plain = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="plain", pause_mode="transparent")
+    wait_file(daemon, plain, ready)
+    assert daemon.cli("pause", str(plain), "--to", "ram").returncode == 0
+    daemon.until(plain, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
+    r = daemon.cli("pause", str(plain), "--to", "disk")
+    assert r.returncode == 1 and "spill to disk refused" in r.stderr and "CRIU" in r.stderr, r
+    assert "Traceback" not in r.stderr
+    j = daemon.job(plain)
+    assert (j["state"], j["parked"], j["held"]) == ("PAUSED", "ram", True), j
+    assert daemon.cli("resume", str(plain)).returncode == 0
+    daemon.until(plain, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    gate.open()
+    daemon.state(plain, "COMPLETED")
+
+
 def test_daemon_killed_while_a_job_is_frozen_thaws_it_from_its_record(daemon, home):
     """kill -9 of the daemon while the job is frozen: NVML lists nothing of it, so the restarted
     daemon thaws it from the pids and footprint recorded at lock time and the driver's own state."""
