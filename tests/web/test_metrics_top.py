@@ -264,12 +264,13 @@ def test_a_home_from_before_the_initiator_column_is_migrated_and_folded(tmp_path
     store = Store(tmp_path / "state.db")
     [job] = store.add_jobs([NewJob(name="j", user="u", uid=0, gid=0, argv=["x"], cwd="/", env={}, priority=1,
                                    gpus=1, mem_bytes=0)], 4)
-    store.update(job, 5, state=JobState.RUNNING, event=NewEvent(EventKind.STARTED, "started on GPU 1"))
+    store.update(job, 5, state=JobState.RUNNING, assigned=[1], event=NewEvent(EventKind.STARTED, "started on GPU 1"))
     # The wording says "requested by user", the record says policy: the record is what counts.
-    store.update(job, 6, state=JobState.PAUSING, event=NewEvent(EventKind.PARK_STARTED, "pausing to ram: requested "
-                                                                "by user", tier="ram", mechanism="cooperative"),
-                 initiator="policy")
-    store.update(job, 7, state=JobState.PAUSED, event=NewEvent(EventKind.PARKED_RAM, "parked in RAM at step 9"))
+    store.update(job, 6, state=JobState.PAUSING, mechanism="cooperative", desired="paused", desired_tier="ram",
+                 pause_requested_at=6, event=NewEvent(EventKind.PARK_STARTED, "pausing to ram: requested by user",
+                                                      tier="ram", mechanism="cooperative"), initiator="policy")
+    store.update(job, 7, state=JobState.PAUSED, parked="ram", home_gpus=[1], assigned=[],
+                 event=NewEvent(EventKind.PARKED_RAM, "parked in RAM at step 9"))
     fold = EventFold()
     fold.advance(store)
     assert fold.user_pauses == {("cooperative", "ram"): 1}
