@@ -37,7 +37,7 @@ from gpuswap import peercred, processes
 from gpuswap.exitcodes import EX_USAGE
 from gpuswap.fsutil import atomic_write_json, make_file, read_json
 from gpuswap.node import execshim, sessions
-from gpuswap.protocol import channel, messages, rundir
+from gpuswap.protocol import channel, messages, records, rundir
 from gpuswap.protocol.rundir import Desired, Spec
 from gpuswap.protocol.status import ExitFacts, SupervisorStatus
 from gpuswap.runtime.ranktable import RankTable
@@ -258,13 +258,13 @@ class Supervisor:
         if self._complaints <= MAX_COMPLAINTS:
             self.log(text + (" (no more such lines)" if self._complaints == MAX_COMPLAINTS else ""))
 
-    def on_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int] = None) -> bool:
+    def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None) -> bool:
         """Fold one message into status and reconcile; False: close this connection."""
-        if self.ranks is not None or (isinstance(msg, messages.Hello) and (msg.world_size or 1) > 1):
+        if self.ranks is not None or (isinstance(msg, records.Hello) and (msg.world_size or 1) > 1):
             return self._on_rank_message(conn, msg, peer_pid)
         with self.lock:
             rt = self.status.runtime
-            if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
+            if isinstance(msg, records.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
                 self.conn = conn
                 self.sent = None
                 rt.update(connected=True, attached=True, state="paused" if msg.parked else "running",
@@ -275,26 +275,26 @@ class Supervisor:
                     rt["tier"] = "ram"
                 else:
                     rt["device_bytes"] = msg.device_bytes
-            elif isinstance(msg, messages.Usage):
+            elif isinstance(msg, records.Usage):
                 rt.update(device_bytes=msg.device_bytes, step=msg.step)
                 self._unsaved = True      # folded into the next write (USAGE_WRITE_S): nothing to reconcile
                 if not self._write_due():
                     return True
-            elif isinstance(msg, messages.Paused):
+            elif isinstance(msg, records.Paused):
                 rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
                           step=msg.step, pause_s=msg.seconds, device_bytes=0)
                 self.sent = None
-            elif isinstance(msg, messages.Resumed):   # also the answer to a resume that cancelled a pending pause
+            elif isinstance(msg, records.Resumed):   # also the answer to a resume that cancelled a pending pause
                 rt.update(state="running", tier=None, resume_s=msg.seconds,
                           device_bytes=msg.bytes or rt.get("device_bytes", 0))
                 self.sent = None
-            elif isinstance(msg, messages.Checkpointed):
+            elif isinstance(msg, records.Checkpointed):
                 rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
                           step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path, ckpt_note=msg.note)
                 self.sent = None
-            elif isinstance(msg, messages.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
+            elif isinstance(msg, records.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
                 rt.update(restore_failed=msg.message)
-            elif isinstance(msg, messages.Error):
+            elif isinstance(msg, records.Error):
                 # The request failed; it is not re-sent (a full disk would make that a loop): the
                 # daemon sees the error and changes what it wants.
                 rt.update(error=msg.message, error_at=time.time())
@@ -305,13 +305,13 @@ class Supervisor:
         return True
 
     # -- multi-rank jobs ---------------------------------------------------------------------
-    def _on_rank_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int]) -> bool:
+    def _on_rank_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int]) -> bool:
         now = time.time()
         with self.lock:
             if self.ranks is None:
                 self.ranks = RankTable(self.pause_timeout_s, self._kill_ranks, self.log)
-                self.log(f"multi-rank job: {msg.world_size if isinstance(msg, messages.Hello) else '?'} ranks")
-            if isinstance(msg, messages.Hello):
+                self.log(f"multi-rank job: {msg.world_size if isinstance(msg, records.Hello) else '?'} ranks")
+            if isinstance(msg, records.Hello):
                 if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now):
                     self._log_limited(f"refused a control connection (pid {peer_pid}): rank {msg.rank} of "
                                       f"{msg.world_size or 1} in a job of {self.ranks.coord.world_size} ranks, "
@@ -319,12 +319,12 @@ class Supervisor:
                     self._rank_facts()
                     return False
                 self.ranks.want(self.desired, now)
-            elif isinstance(msg, messages.Usage):
+            elif isinstance(msg, records.Usage):
                 self.ranks.receive(conn, msg, now)
                 self._unsaved = True
                 if not self._write_due():
                     return True
-            elif isinstance(msg, messages.RestoreFailed):
+            elif isinstance(msg, records.RestoreFailed):
                 self.status.runtime["restore_failed"] = msg.message
             else:
                 self.ranks.receive(conn, msg, now)
@@ -383,12 +383,12 @@ class Supervisor:
         self.signal_group(signal.SIGTERM)
         if self.ranks is not None:
             self.ranks.kill_all()
-    def send(self, msg: messages.Request) -> bool:
+    def send(self, msg: records.Order) -> bool:
         conn = self.conn
         if conn is None:
             return False
         try:
-            conn.sendall(channel.encode(msg.wire()))
+            conn.sendall(records.encode(msg))
             return True
         except OSError:
             return False
@@ -454,11 +454,11 @@ class Supervisor:
                 # (the daemon gave up waiting): left pending, it would park the job later anyway.
                 request = ("resume", None)
             if request is not None and request != self.sent:
-                msg = (messages.PauseRequest(tier=request[1], max_bytes=d.max_bytes if request[1] == "ram" else None)
-                       if request[1] is not None else messages.ResumeRequest())
+                msg: records.Order = (records.Pause(tier=request[1], max_bytes=d.max_bytes if request[1] == "ram" else None)
+                                      if request[1] is not None else records.Resume())
                 if self.send(msg):
                     self.sent = request
-                    self.log(f"sent {msg.wire()}")
+                    self.log(f"sent {records.wire(msg)}")
         if changed:
             self.write_status()
 
