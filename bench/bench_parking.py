@@ -116,8 +116,10 @@ class _Recorder:
     def __init__(self) -> None:
         self.sent: list[dict] = []
 
-    def send(self, msg: dict) -> bool:
-        self.sent.append(msg)
+    def send(self, msg: object) -> bool:
+        from gpuswap.protocol.records import wire
+
+        self.sent.append(wire(msg))     # what the socket would carry
         return True
 
     def close(self) -> None:

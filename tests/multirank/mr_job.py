@@ -116,8 +116,8 @@ def probe_parks(job: Any, probe: BucketProbe) -> None:
     are gone (test-only: wraps the job's control client)."""
     send = job._client.send
 
-    def noting(msg: dict[str, Any]) -> bool:
-        if msg.get("op") == "paused":
+    def noting(msg: Any) -> bool:        # a record (gpuswap.protocol.records)
+        if msg.op == "paused":
             probe.parked.append([ref.expired() for ref, _ in probe.refs])
         return send(msg)
 

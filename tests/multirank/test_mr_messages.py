@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpuswap.protocol import messages, status
+from gpuswap.protocol import messages, records, status
 from gpuswap.runtime.ranks import RankIdentity, identity
 
 
@@ -15,7 +15,7 @@ def parse(**msg):
 
 
 def test_agreement_messages_parse_with_exactly_the_fields_the_coordinator_reads():
-    assert parse(op="mark", epoch=3, seen=0).model_dump(exclude_none=True) == {"op": "mark", "epoch": 3, "seen": 0}
+    assert records.wire(parse(op="mark", epoch=3, seen=0)) == {"op": "mark", "epoch": 3, "seen": 0}
     assert parse(op="hold", epoch=1, tick=7).tick == 7
     assert parse(op="ready", epoch=1, tick=7, step=6).step == 6
     assert parse(op="unparked", epoch=1, bytes=10, seconds=0.5).bytes == 10

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from gpuswap.protocol import records
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.ranks import RankIdentity, RankJob
 from gpuswap_testing import FACT_TIMEOUT_S
@@ -18,9 +19,9 @@ class Recorder:
         self.sent: list[dict[str, Any]] = []
         self.cond = threading.Condition()
 
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: records.Report) -> bool:
         with self.cond:
-            self.sent.append(msg)
+            self.sent.append(records.wire(msg))      # what the socket would carry
             self.cond.notify_all()
         return True
 
@@ -46,14 +47,14 @@ def test_a_rank_that_held_below_the_target_stops_at_the_target():
     job._client = rec
     for step in range(3):
         job.safepoint(step)                                    # ticks 1..3, nothing asked
-    job._on_message({"op": "pause", "epoch": 1, "tier": "ram"})
+    job._on_message(records.order({"op": "pause", "epoch": 1, "tier": "ram"}))
     assert rec.sent[-1] == {"op": "mark", "epoch": 1, "seen": 3}
 
     held = threading.Thread(target=job.safepoint, args=(3,))  # tick 4: holds, no target yet
     held.start()
     rec.until("hold at tick 4", lambda: "hold" in [m["op"] for m in rec.sent])
     assert rec.sent[-1]["tick"] == 4
-    job._on_message({"op": "target", "epoch": 1, "tick": 5})
+    job._on_message(records.order({"op": "target", "epoch": 1, "tick": 5}))
     held.join()                                                # released below the target: trains on
 
     at_target = threading.Thread(target=job.safepoint, args=(4,))   # tick 5, the target
@@ -61,6 +62,6 @@ def test_a_rank_that_held_below_the_target_stops_at_the_target():
     rec.until("ready, or the safepoint returned", lambda: "ready" in [m["op"] for m in rec.sent]
               or not at_target.is_alive())
     assert {"op": "ready", "epoch": 1, "tick": 5} in rec.sent, rec.sent
-    job._on_message({"op": "resume", "epoch": 1})              # withdrawn: everyone trains on
+    job._on_message(records.order({"op": "resume", "epoch": 1}))              # withdrawn: everyone trains on
     at_target.join()
     assert rec.ops()[-1] == "resumed" and job.tick == 5

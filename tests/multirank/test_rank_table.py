@@ -6,7 +6,7 @@ import json
 import os
 import socket
 
-from gpuswap.protocol import messages
+from gpuswap.protocol import messages, records
 from gpuswap.protocol.rundir import Desired
 from gpuswap.protocol.status import runtime_facts
 from gpuswap.runtime.ranktable import RankTable
@@ -19,7 +19,7 @@ def _table():
 
 def _hello(t, rank, **fields):
     a, b = socket.socketpair()
-    msg = messages.Hello(op="hello", pid=os.getpid(), rank=rank, world_size=2, **fields)
+    msg = records.Hello(pid=os.getpid(), rank=rank, world_size=2, **fields)
     # Both "ranks" are this process: the table ties a connection to the kernel's peer pid.
     return t.hello(a, msg, os.getpid() + rank, 0.0), (a, b)
 

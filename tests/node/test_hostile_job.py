@@ -18,7 +18,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuswap.fsutil import atomic_write_bytes, atomic_write_json
-from gpuswap.node.supervisor import MAX_BAD
+from gpuswap.node.jobchannel import MAX_BAD
 from gpuswap_testing import AsUser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second user's job (nobody)")

@@ -6,17 +6,20 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import gpuswap
 from gpuswap.node.launcher import Observation
-from gpuswap.protocol import channel, env, rundir
+from gpuswap.protocol import channel, env, messages, records, rundir
 from gpuswap.protocol.env import JobEnv
 from gpuswap.protocol.status import (ExitFacts, RankFact, RuntimeFacts, SupervisorReport, SupervisorStatus,
                                      runtime_facts)
-from gpuswap.protocol.messages import MAX_TEXT, PauseRequest, ResumeRequest
+from gpuswap.protocol.bounds import MAX_TEXT
+from gpuswap.protocol.records import Pause, Resume, encode
 from gpuswap.protocol.rundir import Desired, Spawned, Spec
 from gpuswap.runtime.config import RuntimeConfig
 
@@ -174,9 +177,9 @@ def test_job_env_empty_and_zero_are_unset():
 
 def test_the_supervisors_requests_keep_their_bytes():
     """A runtime of the previous release reads these lines (a job keeps running across an upgrade)."""
-    assert channel.encode(PauseRequest(tier="ram", max_bytes=5).wire()) == b'{"op":"pause","tier":"ram","max_bytes":5}\n'
-    assert channel.encode(PauseRequest(tier="disk").wire()) == b'{"op":"pause","tier":"disk"}\n'
-    assert channel.encode(ResumeRequest().wire()) == b'{"op":"resume"}\n'
+    assert encode(Pause(tier="ram", max_bytes=5)) == b'{"op":"pause","tier":"ram","max_bytes":5}\n'
+    assert encode(Pause(tier="disk")) == b'{"op":"pause","tier":"disk"}\n'
+    assert encode(Resume()) == b'{"op":"resume"}\n'
 
 
 def test_every_environment_name_in_the_source_is_defined_in_protocol_env():
@@ -214,3 +217,179 @@ def test_layers_point_down_to_the_protocol(package, below):
     bad = sorted(f"{path.relative_to(SRC)}: {name}" for path in (SRC / package).rglob("*.py")
                  for name in _imports(path) if name.startswith(below))
     assert not bad, bad
+
+
+# -- the channel's messages: one record per kind (protocol/records.py) -------------------------------
+SHA = "ab" * 32
+REPORTS = [
+    records.Hello(pid=4242, device_bytes=5 << 20, restored_step=99, restored_bytes=1 << 30, restore_s=0.5,
+                  restore_note="ckpt-000002 skipped: bad checksum", job_id="12", parked=False),
+    records.Hello(pid=11, rank=1, world_size=2, local_rank=1, state="parked", epoch=3,
+                  ram_refusal="an FSDP1 module", restored_seq=9, parked=True),
+    records.Usage(device_bytes=7, step=3, parked=False, reserved_bytes=1 << 21),
+    records.Paused(tier="ram", bytes=3 << 30, seconds=1.25, step=120),
+    records.Paused(epoch=2, tier="ram", bytes=10, seconds=0.5, step=4, group_s=0.25),
+    records.Resumed(bytes=3 << 30, seconds=0.75),
+    records.Resumed(epoch=2, bytes=10, seconds=0.5, group_s=0.125),
+    records.Checkpointed(path="/ck/ckpt-000003.pt", bytes=99, seconds=2.5, step=7, note="over the RAM budget"),
+    records.Error(message="park to ram failed: out of memory"),
+    records.Error(epoch=4, message="passed the common step 7"),
+    records.RestoreFailed(message="cannot resume: no usable checkpoint"),
+    records.Mark(epoch=1, seen=0),
+    records.Hold(epoch=1, tick=8),
+    records.Ready(epoch=1, tick=8, step=41),
+    records.Unparked(epoch=1, bytes=10, seconds=0.5),
+    records.Part(epoch=1, file="ckpt-000009.r1.pt", bytes=20133, sha256=SHA, seconds=0.1),
+    records.Committed(epoch=1, seq=9, path="/ck/ckpt-000009.json", bytes=40266, step=41),
+    records.Done(step=100),
+    records.Preempt(signal="SIGUSR2"),
+]
+ORDERS = [
+    records.Pause(tier="ram", max_bytes=1 << 30), records.Pause(tier="disk"), records.Pause(epoch=3, tier="ram"),
+    records.Resume(), records.Resume(epoch=3), records.Target(epoch=3, tick=9), records.Park(epoch=3, tier="disk"),
+    records.Commit(epoch=3, tick=9, parts=(records.PartRef(file="ckpt-000009.r0.pt", bytes=5, sha256=SHA, seconds=0.5,
+                                                            rank=0),
+                                            records.PartRef(file="ckpt-000009.r1.pt", bytes=6, sha256=SHA, rank=1))),
+    records.Exit(epoch=3), records.Regroup(epoch=3, rebuild=False), records.Release(epoch=3),
+]
+
+
+def test_every_kind_of_message_has_a_case_here():
+    assert {type(r) for r in REPORTS} == set(records.REPORTS.values())
+    assert {type(o) for o in ORDERS} == set(records.ORDERS.values())
+    assert set(records.REPORTS) == messages.OPS and not set(records.REPORTS) & set(records.ORDERS)
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=lambda r: r.op)
+def test_a_report_reads_back_through_the_gate_as_it_was_sent(report):
+    line = records.encode(report)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert messages.parse(line.rstrip(b"\n")) == report
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda o: o.op)
+def test_an_order_reads_back_in_the_runtime_as_it_was_sent(order):
+    line = records.encode(order)
+    assert records.order(json.loads(line)) == order
+
+
+# What the previous release's runtime wrote, literally (dicts, None values included), and what its
+# supervisor and coordinator wrote: a job and a supervisor outlive a daemon upgrade in either order.
+OLD_REPORTS = [
+    ({"op": "hello", "pid": 4242, "device_bytes": 0, "restored_step": None, "restored_bytes": 0, "restore_s": None,
+      "restore_note": None, "job_id": "12", "parked": False},
+     records.Hello(pid=4242, restored_bytes=0, job_id="12")),
+    ({"op": "hello", "pid": 11, "device_bytes": 0, "restored_step": 5, "restored_bytes": 100, "restore_s": 0.5,
+      "restore_note": None, "job_id": "12", "parked": True, "rank": 1, "world_size": 2, "local_rank": 1,
+      "state": "parked", "epoch": 3, "ram_refusal": None, "restored_seq": 4},
+     records.Hello(pid=11, restored_step=5, restored_bytes=100, restore_s=0.5, job_id="12", parked=True, rank=1,
+                   world_size=2, local_rank=1, state="parked", epoch=3, restored_seq=4)),
+    ({"op": "usage", "device_bytes": 7, "step": None, "parked": False, "reserved_bytes": 1 << 21},
+     records.Usage(device_bytes=7, parked=False, reserved_bytes=1 << 21)),
+    ({"op": "paused", "tier": "ram", "bytes": 10, "seconds": 0.5, "step": 3},
+     records.Paused(tier="ram", bytes=10, seconds=0.5, step=3)),
+    ({"bytes": 10, "seconds": 0.5, "step": 3, "group_s": 0.25, "op": "paused", "epoch": 2, "tier": "ram"},
+     records.Paused(epoch=2, tier="ram", bytes=10, seconds=0.5, step=3, group_s=0.25)),
+    ({"op": "resumed", "bytes": 0, "seconds": 0.0}, records.Resumed(bytes=0, seconds=0.0)),
+    ({"op": "checkpointed", "path": "/ck/ckpt-000003.pt", "bytes": 99, "seconds": 2.5, "step": 7},
+     records.Checkpointed(path="/ck/ckpt-000003.pt", bytes=99, seconds=2.5, step=7)),
+    ({"op": "error", "message": "unknown pause tier 'tape'"}, records.Error(message="unknown pause tier 'tape'")),
+    ({"op": "restore_failed", "message": "cannot resume: x"}, records.RestoreFailed(message="cannot resume: x")),
+    ({"op": "mark", "epoch": 1, "seen": 3}, records.Mark(epoch=1, seen=3)),
+    ({"file": "ckpt-000009.r0.pt", "bytes": 5, "sha256": SHA, "seconds": 0.1, "op": "part", "epoch": 1},
+     records.Part(epoch=1, file="ckpt-000009.r0.pt", bytes=5, sha256=SHA, seconds=0.1)),
+    ({"seq": 9, "path": "/ck/ckpt-000009.json", "bytes": 5, "step": 4, "op": "committed", "epoch": 1},
+     records.Committed(epoch=1, seq=9, path="/ck/ckpt-000009.json", bytes=5, step=4)),
+    ({"op": "done", "step": None}, records.Done()),
+    ({"op": "preempt", "signal": "SIGTERM"}, records.Preempt(signal="SIGTERM")),
+]
+OLD_ORDERS = [
+    (b'{"op":"pause","tier":"ram","max_bytes":5}', records.Pause(tier="ram", max_bytes=5)),
+    (b'{"op":"pause","epoch":1,"tier":"disk"}', records.Pause(epoch=1, tier="disk")),
+    (b'{"op":"resume","epoch":1}', records.Resume(epoch=1)),
+    (b'{"op":"target","epoch":1,"tick":9}', records.Target(epoch=1, tick=9)),
+    (b'{"op":"park","epoch":1,"tier":"ram"}', records.Park(epoch=1, tier="ram")),
+    (b'{"op":"commit","epoch":1,"tick":9,"parts":[{"file":"ckpt-000009.r0.pt","bytes":5,"sha256":"' + SHA.encode()
+     + b'","seconds":0.1,"rank":0}]}',
+     records.Commit(epoch=1, tick=9, parts=(records.PartRef(file="ckpt-000009.r0.pt", bytes=5, sha256=SHA,
+                                                            seconds=0.1, rank=0),))),
+    (b'{"op":"exit","epoch":1}', records.Exit(epoch=1)),
+    (b'{"op":"regroup","epoch":1,"rebuild":true}', records.Regroup(epoch=1)),
+    (b'{"op":"release","epoch":1}', records.Release(epoch=1)),
+]
+
+
+@pytest.mark.parametrize("old, record", OLD_REPORTS, ids=lambda x: x.get("op") if isinstance(x, dict) else "")
+def test_a_report_in_the_old_literal_form_reads_and_the_new_one_keeps_its_keys(old, record):
+    assert messages.parse(channel.encode(old).rstrip(b"\n")) == record
+    # What this release sends an older supervisor (or a tool that reads the channel): the same keys
+    # with the same values, nulls included.
+    assert records.wire(record) == old
+
+
+@pytest.mark.parametrize("line, record", OLD_ORDERS, ids=lambda x: "" if isinstance(x, bytes) else x.op)
+def test_an_order_in_the_old_literal_form_reads_and_the_new_one_is_the_same_bytes(line, record):
+    assert records.order(json.loads(line)) == record
+    assert records.encode(record) == line + b"\n"
+
+
+# Per kind: fields that cost the message (the gate refuses it, the supervisor counts it).
+HOSTILE = [
+    ("hello", {"pid": 0}), ("hello", {"pid": 2**40}), ("hello", {"device_bytes": -1}), ("hello", {"parked": "yes"}),
+    ("hello", {"restore_s": float("inf")}), ("hello", {"restored_bytes": "1GiB"}), ("hello", {"state": "dancing"}),
+    ("hello", {"rank": 1024, "world_size": 2}), ("hello", {"restored_seq": 0}), ("hello", {"restore_note": 5}),
+    ("usage", {"device_bytes": 2**60}), ("usage", {"device_bytes": True}), ("usage", {"device_bytes": 1.5}),
+    ("paused", {"tier": "tape"}), ("paused", {"seconds": -1}), ("paused", {"bytes": "10"}), ("paused", {"epoch": -1}),
+    ("paused", {"group_s": float("nan")}),
+    ("resumed", {"bytes": -5}), ("resumed", {"seconds": "0.5"}), ("resumed", {"group_s": 1e300}),
+    ("checkpointed", {"path": "/" + "x" * 5000}), ("checkpointed", {"bytes": None}), ("checkpointed", {"note": ["x"]}),
+    ("error", {"message": 7}), ("error", {"epoch": 2**40}),
+    ("restore_failed", {"message": None}), ("restore_failed", {"message": {"x": 1}}),
+    ("mark", {"epoch": 1}), ("mark", {"epoch": 1, "seen": -1}), ("hold", {"epoch": 1, "tick": 1.5}),
+    ("ready", {"epoch": "1", "tick": 1}), ("unparked", {}), ("unparked", {"epoch": 1, "bytes": 2**60}),
+    ("part", {"epoch": 1, "file": "../ckpt-000009.r1.pt", "bytes": 1, "sha256": SHA}),
+    ("part", {"epoch": 1, "file": "ckpt-000009.r1.pt", "bytes": 1, "sha256": SHA.upper()}),
+    ("committed", {"epoch": 1, "seq": 0, "path": "/ck/x.json"}), ("committed", {"epoch": 1, "seq": 3}),
+    ("done", {"step": None, "op": 5}), ("preempt", {"signal": "S" * 17}), ("preempt", {"signal": 15}),
+    ("pause", {"tier": "ram"}), ("no such op", {}),
+]
+
+
+@pytest.mark.parametrize("op, fields", HOSTILE, ids=lambda x: x if isinstance(x, str) else "-".join(x))
+def test_a_hostile_field_costs_the_message_never_the_reader(op, fields):
+    with pytest.raises(messages.BadMessage):
+        messages.parse(json.dumps({"op": op, **fields}).encode())
+
+
+def test_fields_the_gate_forgives_cost_only_themselves():
+    """The user's step is informational (a bad one is dropped), texts are cut, and what no
+    supervisor reads (job_id, usage's parked and reserved_bytes) is dropped when it is wrong."""
+    assert messages.parse(b'{"op":"paused","bytes":1,"step":"7"}') == records.Paused(bytes=1)
+    assert messages.parse(b'{"op":"done","step":1e300}') == records.Done()
+    assert messages.parse(b'{"op":"ready","epoch":1,"tick":2,"step":3.0}') == records.Ready(epoch=1, tick=2, step=3)
+    assert messages.parse(json.dumps({"op": "error", "message": "e" * 9000}).encode()).message == "e" * MAX_TEXT
+    assert messages.parse(b'{"op":"hello","job_id":["x"],"pid":5}') == records.Hello(pid=5)
+    assert messages.parse(b'{"op":"usage","device_bytes":1,"parked":"no","reserved_bytes":-1}') == \
+        records.Usage(device_bytes=1)
+    assert messages.parse(b'{"op":"usage","device_bytes":1,"from_the_future":{"x":1}}') == records.Usage(device_bytes=1)
+
+
+@pytest.mark.parametrize("raw", [
+    {"op": "target", "epoch": 1}, {"op": "target", "epoch": 1, "tick": True}, {"op": "target", "epoch": 1, "tick": "9"},
+    {"op": "pause", "tier": 5}, {"op": "pause", "tier": "ram", "max_bytes": 1.5}, {"op": "park", "epoch": 1},
+    {"op": "regroup", "epoch": 1, "rebuild": 0}, {"op": "commit", "epoch": 1, "parts": {"0": {}}},
+    {"op": "commit", "epoch": 1, "parts": [{"file": "f", "bytes": 1, "sha256": "s"}]},      # no rank
+    {"op": "commit", "epoch": 1, "parts": ["f"]}, {"op": "exit"}, {"op": "release", "epoch": [1]},
+    {"op": "hello"}, {"op": "no such op"}, {"epoch": 1}, ["pause"],
+])
+def test_an_order_the_runtime_cannot_read_is_dropped(raw):
+    assert records.order(raw) is None
+
+
+def test_the_records_load_without_pydantic():
+    """The runtime builds its messages at `attach`, in the user's process: no pydantic there."""
+    code = ("import sys, gpuswap.protocol.records, gpuswap.runtime.handle, gpuswap.runtime.client, "
+            "gpuswap.runtime.ranks, gpuswap.runtime.agreement; "
+            "sys.exit('pydantic' in sys.modules or 'pydantic_core' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import pytest
 
+from gpuswap.protocol import records
 from gpuswap.runtime import agreement as ag
 from gpuswap.runtime import rankcursor as rc
 
@@ -171,7 +172,7 @@ def next_step(w: World, i: int, cfg: Cfg) -> None:
         r.stage = "pre"
         return
     if cfg.done_msg:
-        w.up[i].append({"op": "done"})
+        w.up[i].append(records.Done())
     if cfg.final_barrier:
         r.stage = "barrier"
     else:
@@ -267,7 +268,7 @@ def act(w: World, i: int, cfg: Cfg, st: dict) -> Any:
     if a == rc.WRITE:
         info.update(file=f"part{i}", sha256="x")
     if a == rc.COMMIT:
-        info.update(seq=1, path="manifest")
+        info = {"bytes": 10, "seq": 1, "path": "manifest"}
     msgs = r.cursor.finished(a, ok, info)
     w.up[i].extend(msgs)
     if a == rc.REGROUP and ok:

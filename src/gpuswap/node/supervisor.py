@@ -14,50 +14,35 @@ Run directory (made by the daemon before spawning us; protocol/rundir.py has its
   spawned.json  written by the daemon once we exist (launcher.py: a lost spawn is redone)
   control       the job's control socket (ours to bind; the job owner's file, mode 0600)
 
-The job starts through `execshim.py`, which drops to the user *before* entering the job's
-directory, and arms a parent-death signal: if we die, the job's main process is killed with us
-(the daemon then kills the rest of its session: `sessions.py`). Its pid, the session id, is in
-status.json before the user's program runs, so the daemon can always find what to kill.
+This module is the supervisor's decisions: compare what the daemon wants with what is, and make
+the one move that is missing (level-triggered), then collect the job's end. Its parts: the job's
+process (jobprocess.py), the control channel and what its messages change (jobchannel.py), and
+status.json with supervisor.log (statusfile.py).
 """
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
-from gpuswap import peercred, processes
 from gpuswap.exitcodes import EX_USAGE
-from gpuswap.fsutil import atomic_write_json, make_file, read_json
-from gpuswap.node import execshim, sessions
-from gpuswap.protocol import channel, messages, rundir
+from gpuswap.fsutil import read_json
+from gpuswap.node import sessions
+from gpuswap.node.jobchannel import JobChannel
+from gpuswap.node.jobprocess import JobProcess
+from gpuswap.node.statusfile import StatusFile
+from gpuswap.protocol import records, rundir
 from gpuswap.protocol.rundir import Desired, Spec
 from gpuswap.protocol.status import ExitFacts, SupervisorStatus
 from gpuswap.runtime.ranktable import RankTable
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
-MAX_BAD = 64          # invalid control messages one connection may send before it is closed
-MAX_COMPLAINTS = 20   # supervisor.log lines about them, for the supervisor's whole life
-USAGE_WRITE_S = 0.5   # usage reports reach status.json at most this often: each write is an fsync,
-                      # and a job may send thousands of valid reports a second
-
-
-def peer_cred(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the peer, as the kernel recorded them at connect (not the job's word)."""
-    p = peercred.peer(sock)
-    return p.pid, p.uid
-
-
-def peer_uid(sock: socket.socket) -> int:
-    return peer_cred(sock)[1]
 
 
 class Supervisor:
@@ -67,283 +52,24 @@ class Supervisor:
         self.lock = threading.RLock()
         self.status = SupervisorStatus(job_id=self.spec.job_id, generation=self.spec.generation,
                                        supervisor_pid=os.getpid(), started_at=time.time())
-        self.conn: Optional[socket.socket] = None
-        self.sent: Optional[tuple[str, Optional[str]]] = None   # last request sent to the runtime
-        self.child: Optional[subprocess.Popen] = None
+        self.files = StatusFile(run_dir, self.status, self.lock)
+        self.job = JobProcess(self.spec, self.files)
+        self.channel = JobChannel(self.spec, self.files, self.reconcile, lambda: self.desired, self._kill_ranks)
         self.term_sent_at: Optional[float] = None
         self._desired_mtime: Optional[int] = None
         self.desired = Desired()
-        self._complaints = 0
-        self._unsaved = False         # status changed (or a write failed) and is not on disk yet
-        self._written_at = 0.0        # monotonic time of the last status.json write
-        self._write_failed = False    # said once in supervisor.log until a write succeeds again
-        # A multi-rank job (its first hello says world_size > 1): the ranks' connections and the
-        # common-step coordinator (runtime/ranktable.py); None for a single-rank job, which keeps `conn`.
-        self.ranks: Optional[RankTable] = None
         self._ended_checkpointed = False
         self.kill_reason: Optional[str] = None
-        self.pause_timeout_s = self.spec.pause_timeout_s
 
-    # -- status -----------------------------------------------------------------------------
-    def write_status(self) -> bool:
-        """Write status.json; on a full disk keep the job running and retry from the main loop
-        (the old file stays whole, and no temp file is left: fsutil)."""
-        with self.lock:
-            try:
-                atomic_write_json(self.run_dir / rundir.STATUS, self.status.to_json())
-            except OSError as e:
-                if not self._write_failed:
-                    self.log(f"cannot write status.json ({e.strerror or e}); retrying")
-                self._unsaved = self._write_failed = True
-                return False
-            self._unsaved = self._write_failed = False
-            self._written_at = time.monotonic()
-            return True
-
-    def _write_due(self) -> bool:
-        """Whether a held-back usage report (or a failed write) should be written now."""
-        return self._unsaved and time.monotonic() - self._written_at >= USAGE_WRITE_S
+    @property
+    def ranks(self) -> Optional[RankTable]:
+        """A multi-rank job's connections and coordinator, once a rank said hello; else None."""
+        return self.channel.ranks
 
     def log(self, text: str) -> None:
-        path = self.run_dir / rundir.SUPERVISOR_LOG
-        try:
-            if not path.exists():
-                make_file(path, 0o600)
-            with open(path, "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
-        except OSError:
-            pass    # a full disk must not take the job's supervisor down with it
-
-    # -- the job process --------------------------------------------------------------------
-    def start_child(self) -> bool:
-        """Start the job through the exec shim; False (and the reason in status.json) if it could
-        not start. Called from the main thread: the parent-death signal follows the forking thread."""
-        spec = self.spec
-        env = dict(spec.env)
-        env.update(spec.extra_env)
-        as_user = os.geteuid() == 0 and spec.uid != 0
-        config = {"argv": spec.argv, "cwd": spec.cwd, "env": env,
-                  "uid": spec.uid if as_user else None, "gid": spec.gid, "groups": spec.groups}
-        cfg_r, cfg_w = os.pipe()
-        st_r, st_w = os.pipe()
-        log = open(spec.log_path, "ab", buffering=0)
-        try:
-            self.child = subprocess.Popen(
-                [sys.executable, "-I", "-S", execshim.__file__, str(cfg_r), str(st_w), str(os.getpid())],
-                pass_fds=(cfg_r, st_w), env={}, cwd="/", stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        except (OSError, subprocess.SubprocessError) as e:
-            for fd in (cfg_w, st_r):
-                os.close(fd)
-            return self._not_started(f"cannot start {spec.argv[0]!r}: {getattr(e, 'strerror', None) or e}")
-        finally:
-            log.close()
-            os.close(cfg_r)
-            os.close(st_w)
-        # Its pid is durable before the user's program can run (the shim waits for the config).
-        with self.lock:
-            self.status.job_pid = self.child.pid
-            self.status.job_start_ticks = processes.start_ticks(self.child.pid)
-        self.write_status()
-        try:
-            with open(cfg_w, "wb") as w:
-                w.write(json.dumps(config).encode())
-        except BrokenPipeError:
-            pass
-        with open(st_r, "rb") as r:
-            failure = r.read()
-        if not failure:
-            return True
-        self.child.wait()
-        try:
-            err = json.loads(failure)
-        except ValueError:
-            err = {"stage": "exec", "message": failure.decode(errors="replace")}
-        why = err.get("message") or "unknown error"
-        if err.get("stage") == "chdir":   # the directory failed, not the program
-            reason = f"cannot start {spec.argv[0]!r}: its working directory {spec.cwd!r}: {why}"
-        elif err.get("stage") == "credentials":
-            reason = f"cannot start {spec.argv[0]!r}: cannot become uid {spec.uid}: {why}"
-        else:
-            reason = f"cannot start {spec.argv[0]!r}: {why}"
-        return self._not_started(reason)
-
-    def _not_started(self, reason: str) -> bool:
-        with open(self.spec.log_path, "ab") as out:
-            out.write(f"[gpuswap] {reason}\n".encode())
-        with self.lock:
-            self.status.exit = ExitFacts(code=None, signal=None, error=reason, time=time.time())
-        self.write_status()
-        return False
-
-    def signal_group(self, sig: int) -> None:
-        if self.child is None:
-            return
-        try:
-            os.killpg(self.child.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    # -- control socket ---------------------------------------------------------------------
-    def serve(self) -> None:
-        """Bind the control socket: a path in our run directory (only the daemon can make entries
-        there), then make it the job owner's, mode 0600; peers are checked by uid as well."""
-        address = self.spec.control
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if not address.startswith("@"):
-            try:
-                os.unlink(address)        # a previous supervisor's, of this generation: we hold the lock
-            except FileNotFoundError:
-                pass
-        channel.bind(srv, address)
-        if not address.startswith("@"):
-            owner = (self.spec.uid, self.spec.gid) if os.geteuid() == 0 else (-1, -1)
-            os.chown(address, *owner)
-            os.chmod(address, 0o600)
-        srv.listen(4)
-        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
-
-    def _accept(self, srv: socket.socket) -> None:
-        allowed = {0, os.geteuid(), self.spec.uid}
-        while True:
-            conn, _ = srv.accept()
-            pid, uid = peer_cred(conn)
-            if uid not in allowed:
-                conn.close()
-                continue
-            threading.Thread(target=self._read, args=(conn, pid), daemon=True).start()
-
-    def _read(self, conn: socket.socket, peer_pid: Optional[int] = None) -> None:
-        """Serve one connection. Every line is validated (messages.py): a bad one is ignored and
-        counted, and a connection that sends MAX_BAD of them is closed with one log line."""
-        bad = 0
-        try:
-            for line in channel.read_lines(conn, messages.MAX_LINE):
-                try:
-                    if line is None:
-                        raise messages.BadMessage(f"line longer than {messages.MAX_LINE} bytes")
-                    msg = messages.parse(line)
-                except messages.BadMessage as e:
-                    bad += 1
-                    with self.lock:
-                        rt = self.status.runtime
-                        rt["rejected"] = rt.get("rejected", 0) + 1
-                        # Folded into the next write, like a usage report: a rejection counted after
-                        # the last write would otherwise never reach status.json.
-                        self._unsaved = True
-                    if bad == 1:
-                        self._log_limited(f"ignored an invalid control message ({e}); further ones are counted")
-                    if bad >= MAX_BAD:
-                        self._log_limited(f"closed a control connection after {bad} invalid messages")
-                        break
-                    continue
-                if not self.on_message(conn, msg, peer_pid):
-                    break
-        except OSError:
-            pass
-        conn.close()
-        with self.lock:
-            if self.conn is conn:
-                self.conn = None
-                self.status.runtime["connected"] = False
-            if self.ranks is not None:
-                self.ranks.lost(conn, time.time())
-                self._rank_facts()
-        self.write_status()
-
-    def _log_limited(self, text: str) -> None:
-        """A job reconnecting to send junk must not fill the disk with our complaints."""
-        self._complaints += 1
-        if self._complaints <= MAX_COMPLAINTS:
-            self.log(text + (" (no more such lines)" if self._complaints == MAX_COMPLAINTS else ""))
-
-    def on_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int] = None) -> bool:
-        """Fold one message into status and reconcile; False: close this connection."""
-        if self.ranks is not None or (isinstance(msg, messages.Hello) and (msg.world_size or 1) > 1):
-            return self._on_rank_message(conn, msg, peer_pid)
-        with self.lock:
-            rt = self.status.runtime
-            if isinstance(msg, messages.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
-                self.conn = conn
-                self.sent = None
-                rt.update(connected=True, attached=True, state="paused" if msg.parked else "running",
-                          pid=msg.pid, restored_step=msg.restored_step,
-                          restored_bytes=msg.restored_bytes, restore_s=msg.restore_s,
-                          restore_note=msg.restore_note)
-                if msg.parked:
-                    rt["tier"] = "ram"
-                else:
-                    rt["device_bytes"] = msg.device_bytes
-            elif isinstance(msg, messages.Usage):
-                rt.update(device_bytes=msg.device_bytes, step=msg.step)
-                self._unsaved = True      # folded into the next write (USAGE_WRITE_S): nothing to reconcile
-                if not self._write_due():
-                    return True
-            elif isinstance(msg, messages.Paused):
-                rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
-                          step=msg.step, pause_s=msg.seconds, device_bytes=0)
-                self.sent = None
-            elif isinstance(msg, messages.Resumed):   # also the answer to a resume that cancelled a pending pause
-                rt.update(state="running", tier=None, resume_s=msg.seconds,
-                          device_bytes=msg.bytes or rt.get("device_bytes", 0))
-                self.sent = None
-            elif isinstance(msg, messages.Checkpointed):
-                rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
-                          step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path, ckpt_note=msg.note)
-                self.sent = None
-            elif isinstance(msg, messages.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
-                rt.update(restore_failed=msg.message)
-            elif isinstance(msg, messages.Error):
-                # The request failed; it is not re-sent (a full disk would make that a loop): the
-                # daemon sees the error and changes what it wants.
-                rt.update(error=msg.message, error_at=time.time())
-            else:
-                return True
-        self.write_status()
-        self.reconcile()
-        return True
+        self.files.log(text)
 
     # -- multi-rank jobs ---------------------------------------------------------------------
-    def _on_rank_message(self, conn: socket.socket, msg: messages.Message, peer_pid: Optional[int]) -> bool:
-        now = time.time()
-        with self.lock:
-            if self.ranks is None:
-                self.ranks = RankTable(self.pause_timeout_s, self._kill_ranks, self.log)
-                self.log(f"multi-rank job: {msg.world_size if isinstance(msg, messages.Hello) else '?'} ranks")
-            if isinstance(msg, messages.Hello):
-                if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now):
-                    self._log_limited(f"refused a control connection (pid {peer_pid}): rank {msg.rank} of "
-                                      f"{msg.world_size or 1} in a job of {self.ranks.coord.world_size} ranks, "
-                                      "or a rank already connected")
-                    self._rank_facts()
-                    return False
-                self.ranks.want(self.desired, now)
-            elif isinstance(msg, messages.Usage):
-                self.ranks.receive(conn, msg, now)
-                self._unsaved = True
-                if not self._write_due():
-                    return True
-            elif isinstance(msg, messages.RestoreFailed):
-                self.status.runtime["restore_failed"] = msg.message
-            else:
-                self.ranks.receive(conn, msg, now)
-            self._rank_facts()
-        self.write_status()
-        return True
-
-    def _rank_facts(self) -> None:
-        """status.json from the coordinator (under the lock): the job's facts, and the ranks'
-        processes, which the daemon kills if this supervisor dies."""
-        assert self.ranks is not None
-        old = self.status.runtime
-        rt = self.ranks.facts()
-        for keep in ("rejected", "restore_failed"):
-            if keep in old:
-                rt[keep] = old[keep]
-        self.status.runtime = rt
-        self.status.rank_pids = self.ranks.pid_records()
-
     def _ranks_verdict(self) -> Optional[str]:
         """Why a multi-rank job's end is a failure whatever its exit code: the coordinator ended
         it, or its main process (the launcher) exited while the job was parked or mid-pause."""
@@ -368,7 +94,7 @@ class Supervisor:
             return
         self._ended_checkpointed = True
         self.log("checkpoint committed and every rank exited: ending the launcher")
-        self.signal_group(signal.SIGTERM)
+        self.job.signal_group(signal.SIGTERM)
         self.ranks.kill_all()
 
     def _kill_rank_processes(self) -> int:
@@ -380,18 +106,9 @@ class Supervisor:
         (torchrun forwards it), every rank process SIGKILL: they are outside our session."""
         if self.kill_reason is None:
             self.kill_reason = reason
-        self.signal_group(signal.SIGTERM)
+        self.job.signal_group(signal.SIGTERM)
         if self.ranks is not None:
             self.ranks.kill_all()
-    def send(self, msg: messages.Request) -> bool:
-        conn = self.conn
-        if conn is None:
-            return False
-        try:
-            conn.sendall(channel.encode(msg.wire()))
-            return True
-        except OSError:
-            return False
 
     # -- reconcile desired vs actual --------------------------------------------------------
     def read_desired(self) -> None:
@@ -411,20 +128,20 @@ class Supervisor:
         d = self.desired
         changed = False
         with self.lock:
-            if self.child is None or self.status.exit is not None:
+            if self.job.child is None or self.status.exit is not None:
                 return
             if d.cancel:
                 if self.term_sent_at is None:
                     self.term_sent_at = time.monotonic()
-                    self.signal_group(signal.SIGCONT)
-                    self.signal_group(signal.SIGTERM)
+                    self.job.signal_group(signal.SIGCONT)
+                    self.job.signal_group(signal.SIGTERM)
                     self.log("cancel: SIGTERM sent to the job's process group")
                 elif time.monotonic() - self.term_sent_at > CANCEL_GRACE_S:
-                    self.signal_group(signal.SIGKILL)
+                    self.job.signal_group(signal.SIGKILL)
                 return
             want_stop = d.sigstop
             if want_stop != self.status.stopped:
-                self.signal_group(signal.SIGSTOP if want_stop else signal.SIGCONT)
+                self.job.signal_group(signal.SIGSTOP if want_stop else signal.SIGCONT)
                 self.log(f"{'SIGSTOP' if want_stop else 'SIGCONT'} sent to the job's process group")
                 self.status.stopped = want_stop
                 changed = True
@@ -434,33 +151,34 @@ class Supervisor:
                 self.ranks.want(d, now)
                 self.ranks.poll(now)
                 if self.ranks.facts() != before:
-                    self._rank_facts()
+                    self.channel.rank_facts()
                     changed = True
                 self._end_checkpointed()
         if self.ranks is not None:
             if changed:
-                self.write_status()
+                self.files.write()
             return
         with self.lock:
             rt = self.status.runtime
             state = rt.get("state")
+            sent = self.channel.sent
             request: Optional[tuple[str, Optional[str]]] = None
             if d.pause_tier is not None:
                 if state == "running" or (state == "paused" and rt.get("tier") == "ram" and d.pause_tier == "disk"):
                     request = ("pause", d.pause_tier)
-            elif d.run == "running" and (state == "paused" or (state == "running" and self.sent
-                                                                     and self.sent[0] == "pause")):
+            elif d.run == "running" and (state == "paused" or (state == "running" and sent
+                                                                     and sent[0] == "pause")):
                 # Resume a parked job, or withdraw a pause the job has not reached a safepoint for
                 # (the daemon gave up waiting): left pending, it would park the job later anyway.
                 request = ("resume", None)
-            if request is not None and request != self.sent:
-                msg = (messages.PauseRequest(tier=request[1], max_bytes=d.max_bytes if request[1] == "ram" else None)
-                       if request[1] is not None else messages.ResumeRequest())
-                if self.send(msg):
-                    self.sent = request
-                    self.log(f"sent {msg.wire()}")
+            if request is not None and request != sent:
+                msg: records.Order = (records.Pause(tier=request[1], max_bytes=d.max_bytes if request[1] == "ram" else None)
+                                      if request[1] is not None else records.Resume())
+                if self.channel.send(msg):
+                    self.channel.sent = request
+                    self.log(f"sent {records.wire(msg)}")
         if changed:
-            self.write_status()
+            self.files.write()
 
     # -- main -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -475,25 +193,25 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
         self.read_desired()
-        self.serve()
-        if not self.start_child():
+        self.channel.serve()
+        if not self.job.start():
             return 0
-        assert self.child is not None
-        pid = self.child.pid
+        assert self.job.child is not None
+        pid = self.job.child.pid
         # Wait without reaping: while the exited main process is a zombie its pid (the session id)
         # cannot be reused, so the leftovers of its session are killed by an id that is still theirs.
         while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
             time.sleep(POLL_S)
             self.read_desired()
             self.reconcile()
-            if self._write_due():
-                self.write_status()
+            if self.files.due():
+                self.files.write()
         ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
         # Until none is left, in its session or among its ranks (torchrun's workers lead sessions of
         # their own): its GPUs are free only then.
         while sessions.kill(pid, self.status.job_start_ticks) + self._kill_rank_processes():
             time.sleep(POLL_S)
-        rc = self.child.wait()
+        rc = self.job.child.wait()
         sig = -rc if rc < 0 else None
         error = None
         if ended is not None:
@@ -503,7 +221,7 @@ class Supervisor:
         with self.lock:
             self.status.exit = ExitFacts(code=128 + sig if sig else rc, signal=sig, error=error, time=time.time())
             self.status.runtime["connected"] = False
-        while not self.write_status():   # the exit status must land; wait for room on the disk
+        while not self.files.write():   # the exit status must land; wait for room on the disk
             time.sleep(1.0)
         return 0
 

@@ -7,13 +7,15 @@ place: the shared vocabulary under `node/` and `runtime/`, importing neither.
   `desired.json` (daemon -> supervisor), `spawned.json` (the daemon's mark), `status.json`
   (supervisor -> daemon, read back through `status.py`).
 - `channel.py`: the control socket's framing (one JSON object per line) and addresses.
-- `messages.py`: the control messages a job may send, typed and bounded: the one gate for
-  job-supplied values (its docstring says why).
+- `records.py`: every message on the channel as a typed record, in both directions, with its
+  encoding; `bounds.py`: the bound of each field a job sends.
+- `messages.py`: the gate, `parse`: a line from a job -> its record, every field checked against
+  its bound: the one gate for job-supplied values (its docstring says why).
 - `status.py`: `status.json`, as the supervisor writes it (`SupervisorStatus`) and as the daemon
   reads it back (`SupervisorReport`: the runtime facts, `RuntimeFacts`, the exit, the processes to
   kill), every field validated again (an older supervisor may have written it).
 
-`env.py`, `channel.py` and `rundir.py` import nothing heavy (the runtime imports them at
-`attach`); `messages.py` and `status.py` use pydantic and are imported by the supervisor and the
+`env.py`, `channel.py`, `bounds.py`, `records.py` and `rundir.py` import nothing heavy (the
+runtime imports them at `attach`); `messages.py` and `status.py` use pydantic and are imported by the supervisor and the
 daemon, and by the runtime only where it coordinates ranks itself (runtime/slurmcoord.py).
 """

@@ -8,13 +8,12 @@ supervisor is the server: it outlives daemon restarts, so a job parked in RAM ne
 daemon going away. Messages are small and infrequent; the hot path (`safepoint`) never touches
 the socket, it only reads a flag that the runtime's reader thread sets.
 
-The messages are typed in messages.py, their one definition: what the runtime sends (hello,
+The messages are typed in records.py, their one definition: what the runtime sends (hello,
 usage, paused, resumed, checkpointed, error, restore_failed; a rank of a multi-rank job also mark,
-hold, ready, unparked, part, committed, done), validated there where the supervisor receives them,
-and the supervisor's pause and resume. A multi-rank job's ranks receive the common-step agreement's
-messages instead (pause, target, park, commit, exit, resume, regroup, release: runtime/agreement.py).
-The runtime builds what it sends as plain dicts of those fields: it stays free of pydantic until
-it must parse (a job imports it at `attach`).
+hold, ready, unparked, part, committed, done), validated by messages.py where the supervisor
+receives them, and what it is told: the supervisor's pause and resume, or a multi-rank job's
+common-step agreement (pause, target, park, commit, exit, resume, regroup, release:
+runtime/agreement.py). This module carries JSON objects and knows none of them.
 """
 from __future__ import annotations
 

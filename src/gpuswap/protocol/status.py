@@ -3,7 +3,7 @@
 
 What it holds under `runtime` came from the job, and a supervisor of an older version, still
 running across an upgrade, may have written anything there. So every field is checked with the
-bounds of the gate (messages.py) and one that is absent or fails is None (or its empty value): a
+bounds of the gate (bounds.py, as messages.py checks them) and one that is absent or fails is None (or its empty value): a
 hostile or garbled field costs that field, never the record, the job or the controller's loop.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, WrapValidator
 
-from gpuswap.protocol.messages import (MAX_PID, MAX_TEXT, MAX_WORLD, Bytes, FsPath, Note, Pid, Rank, RankStateName,
+from gpuswap.protocol.bounds import (MAX_PID, MAX_TEXT, MAX_WORLD, Bytes, FsPath, Note, Pid, Rank, RankStateName,
                                        Seconds, Seq, Step, Text, Tick, TierName, Timestamp, WorldSize)
 
 

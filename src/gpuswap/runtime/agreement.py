@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from gpuswap.protocol import records as m
 from gpuswap.runtime.agreement_state import (  # noqa: F401  (re-exported)
     AGREEING, CHECKPOINTED, COMMITTING, FAILED, PARKED, PARKING, REGROUPING, RUNNING, UNPARKING,
     Attempt, Effect, Kill, RankState, Send)
@@ -77,26 +78,26 @@ class Coordinator:
         if a is not None and old is not None:
             out += self._lose(rank, now, f"rank {rank} reconnected during the pause")
         elif epoch is not None and state != "running" and (a is None or epoch != a.epoch):
-            out.append(Send(rank, {"op": "resume", "epoch": epoch}))   # left waiting by a past attempt
+            out.append(Send(rank, m.Resume(epoch=epoch)))   # left waiting by a past attempt
         return out + self._reconcile(now)
 
-    def receive(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def receive(self, rank: int, msg: m.Report, now: float) -> list[Effect]:
+        """A rank's report, validated by the gate (protocol/messages.py)."""
         r = self.ranks.get(rank)
         if r is None:
             return []
-        op = msg.get("op")
-        if op == "usage":
-            r.device_bytes, r.step = int(msg.get("device_bytes") or 0), msg.get("step", r.step)
+        if isinstance(msg, m.Usage):
+            r.device_bytes, r.step = msg.device_bytes, msg.step if msg.step is not None else r.step
             return []
-        if op == "done":
+        if isinstance(msg, m.Done):
             r.state = "done"
             return self._withdraw(now, f"rank {rank} finished training") if self.phase == AGREEING else []
         a = self.attempt
-        if a is None or msg.get("epoch") != a.epoch:
+        if a is None or getattr(msg, "epoch", None) != a.epoch:
             return []
-        handler = _HANDLERS.get((self.phase, op))
-        if op == "error":
-            return self._failed(rank, str(msg.get("message") or "error"), now)
+        if isinstance(msg, m.Error):
+            return self._failed(rank, msg.message or "error", now)
+        handler = _HANDLERS.get((self.phase, msg.op))
         return handler(self, rank, msg, now) if handler is not None else []
 
     def lost(self, rank: int, now: float) -> list[Effect]:
@@ -158,8 +159,8 @@ class Coordinator:
         return out
 
     # -- moves -------------------------------------------------------------------------------
-    def _to_all(self, msg: dict[str, Any]) -> list[Effect]:
-        return [Send(r, dict(msg)) for r, st in sorted(self.ranks.items()) if st.connected]
+    def _to_all(self, msg: m.Order) -> list[Effect]:
+        return [Send(r, msg) for r, st in sorted(self.ranks.items()) if st.connected]
 
     def _enter(self, phase: str, now: float) -> None:
         self.phase = phase
@@ -176,7 +177,7 @@ class Coordinator:
             self.phase, self.error = AGREEING, None
             for r in self.ranks.values():
                 r.state = "running"
-            return self._to_all({"op": "pause", "epoch": self.epoch, "tier": tier})
+            return self._to_all(m.Pause(epoch=self.epoch, tier=tier))
         if self.phase == AGREEING and run == "running":
             return self._withdraw(now, None)
         if self.phase == PARKED and run == "running":
@@ -189,7 +190,7 @@ class Coordinator:
         """End an agreement before anything was torn down: every rank simply trains on."""
         a = self.attempt
         assert a is not None and self.phase == AGREEING
-        out = self._to_all({"op": "resume", "epoch": a.epoch})
+        out = self._to_all(m.Resume(epoch=a.epoch))
         self.phase, self.attempt = RUNNING, None
         for r in self.ranks.values():
             if r.state in ("holding", "ready"):
@@ -213,24 +214,23 @@ class Coordinator:
         if not live <= set(a.bounds):
             return []
         a.target = max(a.bounds[r] for r in live)
-        return self._to_all({"op": "target", "epoch": a.epoch, "tick": a.target})
+        return self._to_all(m.Target(epoch=a.epoch, tick=a.target))
 
-    def _on_mark(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
-        seen = msg.get("seen")
-        self.ranks[rank].tick = seen if seen is not None else self.ranks[rank].tick
-        return self._bound(rank, seen if isinstance(seen, int) else -1, False, now)
+    def _on_mark(self, rank: int, msg: m.Mark, now: float) -> list[Effect]:
+        self.ranks[rank].tick = msg.seen
+        return self._bound(rank, msg.seen, False, now)
 
-    def _on_hold(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_hold(self, rank: int, msg: m.Hold, now: float) -> list[Effect]:
         r = self.ranks[rank]
-        r.state, r.tick = "holding", int(msg["tick"])
+        r.state, r.tick = "holding", msg.tick
         return self._bound(rank, r.tick, True, now)
 
-    def _on_ready(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_ready(self, rank: int, msg: m.Ready, now: float) -> list[Effect]:
         a, r = self.attempt, self.ranks[rank]
         assert a is not None
-        if a.target is None or msg.get("tick") != a.target:
-            return self._withdraw(now, f"rank {rank} stopped at tick {msg.get('tick')}, not {a.target}")
-        r.state, r.tick, r.step = "ready", a.target, msg.get("step", r.step)
+        if a.target is None or msg.tick != a.target:
+            return self._withdraw(now, f"rank {rank} stopped at tick {msg.tick}, not {a.target}")
+        r.state, r.tick, r.step = "ready", a.target, msg.step if msg.step is not None else r.step
         a.ready.add(rank)
         if a.ready < {i for i, st in self.ranks.items() if st.connected}:
             return []
@@ -250,20 +250,20 @@ class Coordinator:
             tier, a.why_disk = "disk", f"{total} bytes exceed the RAM budget's {self.max_bytes}"
         a.tier = tier
         self._enter(PARKING, now)
-        return self._to_all({"op": "park", "epoch": a.epoch, "tier": tier})
+        return self._to_all(m.Park(epoch=a.epoch, tier=tier))
 
-    def _on_paused(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_paused(self, rank: int, msg: m.Paused, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         r = self.ranks[rank]
         r.state = "parked"
-        if msg.get("step") is not None:
-            r.step = msg["step"]          # where it parked: the job's step while parked (usage lags)
+        if msg.step is not None:
+            r.step = msg.step             # where it parked: the job's step while parked (usage lags)
         a.answered[rank] = msg
         if len(a.answered) < self.world_size:   # type: ignore[operator]
             return []
         a.parked_in_ram = True
-        self.result = {"tier": "ram", "bytes": sum(int(m.get("bytes") or 0) for m in a.answered.values()),
+        self.result = {"tier": "ram", "bytes": sum(p.bytes for p in a.answered.values()),
                        "step": self.ranks[0].step, "pause_s": round(now - a.started, 6)}
         group = _slowest(a.answered.values())
         if group is not None:
@@ -271,47 +271,45 @@ class Coordinator:
         self._enter(PARKED, now)
         return self._reconcile(now)
 
-    def _on_released(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_released(self, rank: int, msg: m.Paused, now: float) -> list[Effect]:
         """A rank parked again after a failed resume or spill (`release`): nothing else to do."""
         self.ranks[rank].state = "parked"
         return []
 
-    def _on_part(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_part(self, rank: int, msg: m.Part, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         self.ranks[rank].state = "written"
         a.answered[rank] = msg
         if len(a.answered) < self.world_size:   # type: ignore[operator]
             return []
-        parts = [dict(a.answered[r], rank=r) for r in sorted(a.answered)]
-        for p in parts:
-            p.pop("op", None)
-            p.pop("epoch", None)
+        parts = tuple(m.PartRef(file=p.file, bytes=p.bytes, sha256=p.sha256, seconds=p.seconds, rank=r)
+                      for r, p in sorted(a.answered.items()))
         self._enter(COMMITTING, now)
-        return [Send(0, {"op": "commit", "epoch": a.epoch, "tick": a.target, "parts": parts})]
+        return [Send(0, m.Commit(epoch=a.epoch, tick=a.target, parts=parts))]
 
-    def _on_committed(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_committed(self, rank: int, msg: m.Committed, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         if rank != 0:
             return []
-        if isinstance(msg.get("step"), int):
-            self.ranks[0].step = msg["step"]      # where the checkpoint was taken (usage lags)
-        self.result = {"tier": "disk", "bytes": int(msg.get("bytes") or 0), "step": self.ranks[0].step,
-                       "pause_s": round(now - a.started, 6), "ckpt_path": msg.get("path")}
+        if msg.step is not None:
+            self.ranks[0].step = msg.step         # where the checkpoint was taken (usage lags)
+        self.result = {"tier": "disk", "bytes": msg.bytes, "step": self.ranks[0].step,
+                       "pause_s": round(now - a.started, 6), "ckpt_path": msg.path}
         if a.why_disk:
             self.result["why_disk"] = a.why_disk
         self._enter(CHECKPOINTED, now)
-        return self._to_all({"op": "exit", "epoch": a.epoch})
+        return self._to_all(m.Exit(epoch=a.epoch))
 
     def _resume(self, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         a.resume_asked = now
         self._enter(UNPARKING, now)
-        return self._to_all({"op": "resume", "epoch": a.epoch})
+        return self._to_all(m.Resume(epoch=a.epoch))
 
-    def _on_unparked(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_unparked(self, rank: int, msg: m.Unparked, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         self.ranks[rank].state = "unparked"
@@ -320,9 +318,9 @@ class Coordinator:
             return []
         self._enter(REGROUPING, now)
         # Only a RAM park tore groups down; after a failed disk park every group is intact.
-        return self._to_all({"op": "regroup", "epoch": a.epoch, "rebuild": a.tier == "ram" or a.parked_in_ram})
+        return self._to_all(m.Regroup(epoch=a.epoch, rebuild=a.tier == "ram" or a.parked_in_ram))
 
-    def _on_resumed(self, rank: int, msg: dict[str, Any], now: float) -> list[Effect]:
+    def _on_resumed(self, rank: int, msg: m.Resumed, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
         self.ranks[rank].state = "running"
@@ -362,12 +360,12 @@ class Coordinator:
             self._note(f"spill to disk failed, job stays parked in RAM: {text}", now)
             self.desired = ("paused", "ram")
             self._enter(PARKED, now)
-            return self._to_all({"op": "release", "epoch": a.epoch})
+            return self._to_all(m.Release(epoch=a.epoch))
         if self.phase == UNPARKING:
             self._note(f"resume failed, job stays parked: {text}", now)
             self.desired = ("paused", "ram")
             self._enter(PARKED, now)
-            return self._to_all({"op": "release", "epoch": a.epoch})
+            return self._to_all(m.Release(epoch=a.epoch))
         return self._kill(f"{text} while {self.phase}")
 
     def _lose(self, rank: int, now: float, why: str) -> list[Effect]:
@@ -398,6 +396,5 @@ _HANDLERS = {
 def _slowest(answers: Any) -> Optional[float]:
     """The slowest rank's process-group seconds (`group_s`), the part of a multi-rank switch that
     the policy models apart (policy/capability.py); None when no rank had a group to move."""
-    found = [float(m["group_s"]) for m in answers
-             if isinstance(m.get("group_s"), (int, float)) and not isinstance(m.get("group_s"), bool)]
+    found = [a.group_s for a in answers if getattr(a, "group_s", None) is not None]
     return round(max(found), 6) if found else None

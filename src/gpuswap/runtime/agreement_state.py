@@ -4,7 +4,9 @@ Kept apart so the supervisor, `show` and the tests can name them without the sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
+
+from gpuswap.protocol.records import Order, Report
 
 # Phases of the job as a whole.
 RUNNING, AGREEING, PARKING, PARKED = "running", "agreeing", "parking", "parked"
@@ -17,7 +19,7 @@ class Send:
     """A message for one rank."""
 
     rank: int
-    msg: dict[str, Any]
+    msg: Order
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,6 @@ class Attempt:
     target: Optional[int] = None
     tier: Optional[str] = None
     ready: set[int] = field(default_factory=set)
-    answered: dict[int, dict[str, Any]] = field(default_factory=dict)   # this phase's reports
+    answered: dict[int, Report] = field(default_factory=dict)   # this phase's reports
     parked_in_ram: bool = False        # memory released and groups destroyed on every rank
     why_disk: Optional[str] = None

@@ -12,10 +12,10 @@ import socket
 import struct
 import sys
 import threading
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from gpuswap.protocol import env as envvars
-from gpuswap.protocol import channel
+from gpuswap.protocol import channel, records
 
 USAGE_INTERVAL_S = 2.0
 USAGE_INTERVAL_MIN_S, USAGE_INTERVAL_MAX_S = 0.001, 3600.0
@@ -47,9 +47,9 @@ class ControlClient:
     def __init__(
         self,
         address: str,
-        on_message: Callable[[dict[str, Any]], None],
-        hello: Callable[[], dict[str, Any]],
-        usage: Callable[[], dict[str, Any]],
+        on_message: Callable[[records.Order], None],
+        hello: Callable[[], records.Hello],
+        usage: Callable[[], records.Usage],
     ) -> None:
         self._address = address
         self._label = address
@@ -92,10 +92,10 @@ class ControlClient:
         return self._connected.is_set()
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: records.Report) -> bool:
         """Send one message if connected. A failed send drops the connection (the reader
         reconnects); the caller goes on either way."""
-        data = channel.encode(msg)
+        data = records.encode(msg)
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -150,14 +150,16 @@ class ControlClient:
             with self._lock:
                 self._sock = sock
                 try:
-                    sock.sendall(channel.encode(self._hello()))
+                    sock.sendall(records.encode(self._hello()))
                     self._connected.set()
                 except OSError:
                     self._drop_locked(sock)
             self._tried.set()
             try:
-                for msg in channel.read_messages(sock):
-                    self._on_message(msg)
+                for raw in channel.read_messages(sock):
+                    msg = records.order(raw)
+                    if msg is not None:     # an op this runtime does not know, or a malformed field
+                        self._on_message(msg)
             except OSError:
                 pass
             with self._lock:
@@ -177,13 +179,13 @@ class ControlClient:
                 self.send(msg)
 
 
-def send_once(address: str, msg: dict[str, Any], timeout_s: float = SEND_TIMEOUT_S) -> bool:
+def send_once(address: str, msg: records.Report, timeout_s: float = SEND_TIMEOUT_S) -> bool:
     """One message on a fresh connection, for a process about to exit (no threads started)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(channel.socket_address(address))
-            sock.sendall(channel.encode(msg))
+            sock.sendall(records.encode(msg))
             sock.shutdown(socket.SHUT_WR)
             sock.recv(1)  # wait for the supervisor to read it and close, or the timeout
         return True

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from gpuswap.jobs import REQUEUE_EXIT_CODE
+from gpuswap.protocol import records
 from gpuswap.runtime import simdevice
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.objects import Attached, iter_tensors
@@ -111,7 +112,7 @@ class Job:
         """Ask for a pause at the next safepoint (what a supervisor `pause` message does).
         `max_bytes`: a RAM park larger than this goes to disk instead (the host-RAM budget)."""
         if tier not in ("ram", "disk"):
-            self.send({"op": "error", "message": f"unknown pause tier {tier!r}"})
+            self.send(records.Error(message=f"unknown pause tier {tier!r}"))
             return
         with self._cond:
             if tier == "ram" and (self._phase != "running" or self._tier_req is not None):
@@ -135,7 +136,7 @@ class Job:
                 self._cond.notify_all()
                 cancelled = False
         if cancelled:
-            self.send({"op": "resumed", "bytes": 0, "seconds": 0.0})
+            self.send(records.Resumed(bytes=0, seconds=0.0))
 
     def request_measure(self) -> None:
         """Have the next safepoint measure `device_bytes` (what the usage heartbeat does)."""
@@ -144,11 +145,10 @@ class Job:
             if self._phase == "running":
                 self._pending = True
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
-        if msg["op"] == "pause":
-            cap = msg.get("max_bytes")
-            self.request_pause(str(msg.get("tier", "ram")), int(cap) if isinstance(cap, int) else None)
-        elif msg["op"] == "resume":
+    def _on_message(self, msg: records.Order) -> None:
+        if isinstance(msg, records.Pause):
+            self.request_pause(msg.tier, msg.max_bytes)
+        elif isinstance(msg, records.Resume):
             self.request_resume()
 
     # -- the slow path (training thread) ---------------------------------------------------
@@ -167,7 +167,7 @@ class Job:
             if self._serve_pause is not None:
                 self._serve_pause(self, tier)
             else:   # a handle not made by `attach`: it has no park path
-                self.send({"op": "error", "message": f"park to {tier} failed: no park path"})
+                self.send(records.Error(message=f"park to {tier} failed: no park path"))
         finally:
             with self._cond:
                 if self._phase != "running":  # a failed park: drop what came in meanwhile
@@ -208,7 +208,7 @@ class Job:
             return "resume"
 
     # -- channel ---------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: records.Report) -> bool:
         client = self._client
         return client.send(msg) if client is not None else False
 
@@ -251,32 +251,31 @@ class Job:
             self._outside = sum(ddpreducer.held_bytes(d) for d in ddps if d is not None)
         return self._outside
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> records.Hello:
         # Sent from the reader thread: the last measurement, never a walk of the tensors.
-        return {"op": "hello", "pid": os.getpid(), "device_bytes": 0 if self.parked else self._last_bytes,
-                "restored_step": self.restored_step, "restored_bytes": self.restored_bytes,
-                "restore_s": self.restore_s, "restore_note": self.restore_note,
-                "job_id": self.config.job_id, "parked": self.parked}
+        return records.Hello(pid=os.getpid(), device_bytes=0 if self.parked else self._last_bytes,
+                             restored_step=self.restored_step, restored_bytes=self.restored_bytes,
+                             restore_s=self.restore_s, restore_note=self.restore_note,
+                             job_id=self.config.job_id, parked=self.parked)
 
-    def _usage(self) -> dict[str, Any]:
+    def _usage(self) -> records.Usage:
         """The heartbeat (usage thread): reports the last measurement and asks the next
         safepoint for a new one."""
         msg = self._usage_msg()
-        if not msg["parked"]:
+        if not msg.parked:
             self.request_measure()
         return msg
 
-    def _usage_msg(self) -> dict[str, Any]:
+    def _usage_msg(self) -> records.Usage:
         """A usage report from what was last measured (any thread: allocator counters are safe)."""
         parked = self.parked
-        msg: dict[str, Any] = {"op": "usage", "device_bytes": 0 if parked else self._last_bytes,
-                               "step": self.step, "parked": parked}
+        reserved = None
         torch = sys.modules.get("torch")
         if torch is not None and not self.config.simulated and torch.cuda.is_available() \
                 and torch.cuda.is_initialized():
-            msg["reserved_bytes"] = sum(
-                torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
-        return msg
+            reserved = sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+        return records.Usage(device_bytes=0 if parked else self._last_bytes, step=self.step, parked=parked,
+                             reserved_bytes=reserved)
 
     def connect(self, control: str) -> None:
         """Open the control channel (the supervisor's, or a coordinator's socket): its reader

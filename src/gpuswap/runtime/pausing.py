@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpuswap.protocol import records
 from gpuswap.runtime import checkpoint, objects, parking, rng
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
 def _error(job: "Job", what: str, exc: BaseException) -> None:
     text = f"{what} failed: {type(exc).__name__}: {exc}"
     print(f"gpuswap: {text}", file=sys.stderr, flush=True)
-    job.send({"op": "error", "message": text})
+    job.send(records.Error(message=text))
 
 
 def _park(job: "Job", tier: str, want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
@@ -62,11 +63,8 @@ def _spill(job: "Job", payload: dict[str, Any], note: str | None = None) -> Exce
         info = checkpoint.write_checkpoint(job.config.ckpt_dir, payload, job.step, job.config.job_id)
     except Exception as exc:
         return exc
-    msg = {"op": "checkpointed", "path": os.path.join(job.config.ckpt_dir, info.payload),
-           "bytes": info.bytes, "seconds": round(time.perf_counter() - t0, 6), "step": job.step}
-    if note:
-        msg["note"] = note
-    job.send(msg)
+    job.send(records.Checkpointed(path=os.path.join(job.config.ckpt_dir, info.payload), bytes=info.bytes,
+                                  seconds=round(time.perf_counter() - t0, 6), step=job.step, note=note or None))
     job.exit_requeue()
     raise AssertionError("unreachable")
 
@@ -116,8 +114,8 @@ def serve(job: "Job", tier: str) -> None:
         _error(job, "disk checkpoint", exc)
         # not even the device memory came back: stay parked in ram until told otherwise
     job.mark_parked()
-    job.send({"op": "paused", "tier": "ram", "bytes": park.nbytes,
-               "seconds": round(time.perf_counter() - t0, 6), "step": job.step})
+    job.send(records.Paused(tier="ram", bytes=park.nbytes, seconds=round(time.perf_counter() - t0, 6),
+                            step=job.step))
     while True:
         if job.wait_request() == "disk":
             _error(job, "disk checkpoint", _spill(job, payload))  # on failure stay parked
@@ -126,8 +124,7 @@ def serve(job: "Job", tier: str) -> None:
         if _unpark_or_report(job, park):
             job.mark_running()
             job.measure()  # its device memory is back (a simulated GPU lists it) before it says so
-            job.send({"op": "resumed", "bytes": park.nbytes,
-                       "seconds": round(time.perf_counter() - t1, 6)})
+            job.send(records.Resumed(bytes=park.nbytes, seconds=round(time.perf_counter() - t1, 6)))
             return
 
 
@@ -181,7 +178,7 @@ def choose_or_exit(config: "RuntimeConfig") -> tuple[Any, Any]:
         if config.control:
             from gpuswap.runtime.client import send_once
 
-            send_once(config.control, {"op": "restore_failed", "message": text[:2000]})
+            send_once(config.control, records.RestoreFailed(message=text[:2000]))
         raise SystemExit(1) from None
     if note:
         print(f"gpuswap: {note}", file=sys.stderr, flush=True)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from gpuswap.protocol import records as m
+
 # What the training thread is told to do.
 CONTINUE, WAIT, PARK, UNPARK, REGROUP, RELEASE, WRITE, COMMIT, EXIT = (
     "continue", "wait", "park", "unpark", "regroup", "release", "write", "commit", "exit")
 
-_QUEUED = {"park", "resume", "regroup", "release", "commit", "exit"}
+_QUEUED = (m.Park, m.Resume, m.Regroup, m.Release, m.Commit, m.Exit)
 
 
 class RankCursor:
@@ -42,9 +44,9 @@ class RankCursor:
         self.epoch: Optional[int] = None
         self.target: Optional[int] = None
         self.at: Optional[int] = None          # the tick the training thread waits at
-        self.queue: list[dict[str, Any]] = []  # instructions not yet carried out
+        self.queue: list[m.Order] = []         # instructions not yet carried out
         self.tier: Optional[str] = None        # of the park being carried out
-        self.parts: list[dict[str, Any]] = []  # commit: every rank's part (rank 0)
+        self.parts: tuple[m.PartRef, ...] = ()  # commit: every rank's part (rank 0)
         self.rebuild = True                    # regroup: the process group must be made again
         self.parked_bytes = 0
 
@@ -54,35 +56,35 @@ class RankCursor:
         return self.phase == "asked"
 
     # -- reader thread -------------------------------------------------------------------------
-    def on_message(self, msg: dict[str, Any], seen: int) -> list[dict[str, Any]]:
-        op, epoch = msg.get("op"), msg.get("epoch")
-        if op == "pause":
-            if self.phase not in ("running", "asked", "holding"):
-                return []        # parked or writing: a new attempt cannot start here
+    def on_message(self, msg: m.Order, seen: int) -> list[m.Report]:
+        epoch = msg.epoch
+        if isinstance(msg, m.Pause):
+            if epoch is None or self.phase not in ("running", "asked", "holding"):
+                return []        # a single-rank pause, or parked or writing: no attempt starts here
             self.phase, self.epoch = "asked", epoch
             self.target, self.at, self.queue = None, None, []
-            return [{"op": "mark", "epoch": epoch, "seen": seen}]
+            return [m.Mark(epoch=epoch, seen=seen)]
         if epoch != self.epoch or self.epoch is None:
             return []            # an attempt that is over
-        if op == "target" and self.phase in ("asked", "holding") and isinstance(msg.get("tick"), int):
-            self.target = msg["tick"]
-        elif op in _QUEUED:
-            self.queue.append(dict(msg))
+        if isinstance(msg, m.Target) and self.phase in ("asked", "holding"):
+            self.target = msg.tick
+        elif isinstance(msg, _QUEUED):
+            self.queue.append(msg)
         return []
 
     # -- training thread -----------------------------------------------------------------------
-    def at_safepoint(self, tick: int) -> tuple[str, list[dict[str, Any]]]:
+    def at_safepoint(self, tick: int) -> tuple[str, list[m.Report]]:
         """The training thread is at safepoint `tick` with the flag set."""
         if self.phase != "asked":
             return CONTINUE, []
-        if any(m["op"] == "resume" for m in self.queue):
+        if any(isinstance(q, m.Resume) for q in self.queue):
             return self._cancel()
         if self.target is None:
             self.phase, self.at = "holding", tick
-            return WAIT, [{"op": "hold", "epoch": self.epoch, "tick": tick}]
+            return WAIT, [m.Hold(epoch=self._epoch, tick=tick)]
         return self._against_target(tick)
 
-    def wake(self) -> tuple[str, list[dict[str, Any]]]:
+    def wake(self) -> tuple[str, list[m.Report]]:
         """The training thread woke while waiting: what now?"""
         while self.queue:
             msg = self.queue.pop(0)
@@ -94,62 +96,70 @@ class RankCursor:
             return self._against_target(self.at)
         return WAIT, []
 
-    def _apply(self, msg: dict[str, Any]) -> Optional[tuple[str, list[dict[str, Any]]]]:
+    def _apply(self, msg: m.Order) -> Optional[tuple[str, list[m.Report]]]:
         """Carry out one instruction if it applies where this rank stands (else drop it)."""
-        op, p = msg["op"], self.phase
-        if op == "resume" and p in ("asked", "holding", "ready"):
+        p = self.phase
+        if isinstance(msg, m.Resume) and p in ("asked", "holding", "ready"):
             return self._cancel()                      # withdrawn before anything was torn down
-        if op == "resume" and p in ("parked", "written"):
+        if isinstance(msg, m.Resume) and p in ("parked", "written"):
             return UNPARK, []                          # a no-op for a park that released nothing
-        if op == "park" and (p == "ready" or (p == "parked" and msg.get("tier") == "disk")):
-            self.tier = msg.get("tier")
+        if isinstance(msg, m.Park) and (p == "ready" or (p == "parked" and msg.tier == "disk")):
+            self.tier = msg.tier
             return (WRITE if self.tier == "disk" else PARK), []
-        if op == "regroup" and p == "unparked":
-            self.rebuild = msg.get("rebuild", True) is not False
+        if isinstance(msg, m.Regroup) and p == "unparked":
+            self.rebuild = msg.rebuild
             return REGROUP, []
-        if op == "release" and p == "written":         # a spill failed elsewhere: still parked in RAM
+        if isinstance(msg, m.Release) and p == "written":   # a spill failed elsewhere: still parked in RAM
             self.phase = "parked"
-            return WAIT, [{"op": "paused", "epoch": self.epoch, "bytes": self.parked_bytes}]
-        if op == "release" and p in ("unparked", "parked"):
+            return WAIT, [m.Paused(epoch=self._epoch, bytes=self.parked_bytes)]
+        if isinstance(msg, m.Release) and p in ("unparked", "parked"):
             return RELEASE, []                         # a no-op where nothing came back
-        if op == "commit" and p == "written":
-            self.parts = list(msg.get("parts") or [])
+        if isinstance(msg, m.Commit) and p == "written":
+            self.parts = msg.parts
             return COMMIT, []
-        if op == "exit" and p == "written":
+        if isinstance(msg, m.Exit) and p == "written":
             return EXIT, []
         return None
 
-    def finished(self, action: str, ok: bool, info: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-        """The outcome of an action `wake` asked for; returns what to send."""
+    def finished(self, action: str, ok: bool, info: Optional[dict[str, Any]] = None) -> list[m.Report]:
+        """The outcome of an action `wake` asked for; returns what to send. `info`: the fields of
+        the report that says so (bytes, seconds, step, group_s; a part's file and digest; a
+        commit's seq and path; a failure's message)."""
         info = dict(info or {})
-        e = self.epoch
+        e = self._epoch
         if not ok:
             if action in (PARK, WRITE) and self.phase == "ready":
                 self.phase = "parked"      # memory back where it was; waits for resume like a park
             elif action == UNPARK:
                 self.phase = "parked"
-            return [{"op": "error", "epoch": e, "message": str(info.get("message") or f"{action} failed")}]
+            return [m.Error(epoch=e, message=str(info.get("message") or f"{action} failed"))]
         if action == PARK:
             self.phase, self.parked_bytes = "parked", int(info.get("bytes") or 0)
-            return [dict(info, op="paused", epoch=e, tier="ram")]
+            return [m.Paused(epoch=e, tier="ram", **info)]
         if action == WRITE:
             self.phase = "written"
-            return [dict(info, op="part", epoch=e)]
+            return [m.Part(epoch=e, **info)]
         if action == COMMIT:
-            return [dict(info, op="committed", epoch=e)]
+            return [m.Committed(epoch=e, **info)]
         if action == UNPARK:
             self.phase = "unparked"
-            return [dict(info, op="unparked", epoch=e)]
+            return [m.Unparked(epoch=e, **info)]
         if action == RELEASE:
             self.phase = "parked"
-            return [{"op": "paused", "epoch": e, "bytes": self.parked_bytes}]
+            return [m.Paused(epoch=e, bytes=self.parked_bytes)]
         if action == REGROUP:
             self._reset()
-            return [dict(info, op="resumed", epoch=e)]
+            return [m.Resumed(epoch=e, **info)]
         return []
 
     # -- helpers -------------------------------------------------------------------------------
-    def _against_target(self, tick: int) -> tuple[str, list[dict[str, Any]]]:
+    @property
+    def _epoch(self) -> int:
+        """The current attempt's epoch (there is one wherever a report is sent)."""
+        assert self.epoch is not None
+        return self.epoch
+
+    def _against_target(self, tick: int) -> tuple[str, list[m.Report]]:
         target = self.target
         assert target is not None
         if tick < target:
@@ -157,15 +167,15 @@ class RankCursor:
             return CONTINUE, []
         if tick == target:
             self.phase, self.at = "ready", tick
-            return WAIT, [{"op": "ready", "epoch": self.epoch, "tick": tick}]
-        e = self.epoch
+            return WAIT, [m.Ready(epoch=self._epoch, tick=tick)]
+        e = self._epoch
         self._reset()
-        return CONTINUE, [{"op": "error", "epoch": e, "message": f"passed the common step {target}"}]
+        return CONTINUE, [m.Error(epoch=e, message=f"passed the common step {target}")]
 
-    def _cancel(self) -> tuple[str, list[dict[str, Any]]]:
+    def _cancel(self) -> tuple[str, list[m.Report]]:
         e = self.epoch
         self._reset()
-        return CONTINUE, [{"op": "resumed", "epoch": e, "bytes": 0, "seconds": 0.0}]
+        return CONTINUE, [m.Resumed(epoch=e, bytes=0, seconds=0.0)]
 
     def _reset(self) -> None:
         self.phase, self.target, self.at, self.queue = "running", None, None, []

@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
+from gpuswap.protocol import records
 from gpuswap.runtime import ckparts, objects, parking, rankstate, simdevice
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.handle import Job
@@ -111,9 +112,9 @@ class RankJob(Job):
             self._serve_tick(t)
 
     # -- reader thread ---------------------------------------------------------------------
-    def _on_message(self, msg: dict[str, Any]) -> None:
+    def _on_message(self, msg: records.Order) -> None:
         with self._cond:
-            if msg.get("op") == "pause":
+            if isinstance(msg, records.Pause):
                 self._pending = True       # the flag first, then the tick: a bound of where we stop
             out = self._cursor.on_message(msg, self.tick)
             self._pending = self._cursor.flagged or self._measure_req
@@ -251,25 +252,23 @@ class RankJob(Job):
         self._phase = "parked"
         self._last_bytes = 0
 
-    def _send_all(self, msgs: list[dict[str, Any]]) -> None:
+    def _send_all(self, msgs: list[records.Report]) -> None:
         for m in msgs:
             self.send(m)
 
     # -- channel ---------------------------------------------------------------------------
-    def _hello(self) -> dict[str, Any]:
-        msg = super()._hello()
+    def _hello(self) -> records.Hello:
         with self._cond:
             phase, epoch = self._cursor.phase, self._cursor.epoch
-        msg.update(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                   state=phase, epoch=epoch, ram_refusal=self._ram_refusal, restored_seq=self.restored_seq)
-        return msg
+        return replace(super()._hello(), rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                       state=phase, epoch=epoch, ram_refusal=self._ram_refusal, restored_seq=self.restored_seq)
 
     def close(self) -> None:
         """This rank is done training: the job is no longer pausable (an attempt in progress is
         withdrawn), then the channel closes. Also run at exit (`attach` registers it)."""
         if not self._done:
             self._done = True
-            self.send({"op": "done", "step": self.step})
+            self.send(records.Done(step=self.step))
         super().close()
 
 
@@ -310,13 +309,13 @@ def part_payload(job: RankJob, park: Optional[parking.RamPark]) -> dict[str, Any
                                   related=related(job.items))
 
 
-def commit_parts(job: RankJob, parts: list[dict[str, Any]]) -> dict[str, Any]:
+def commit_parts(job: RankJob, parts: tuple[records.PartRef, ...]) -> dict[str, Any]:
     """Rank 0 at `commit{parts}`: write the manifest that makes every part one checkpoint; what
     `committed{...}` reports."""
     cfg = job.config
     if not cfg.ckpt_dir:
         raise RuntimeError("no $GPUSWAP_CKPT_DIR for this job")
-    info = ckparts.write_manifest(cfg.ckpt_dir, parts, step=job.step, tick=job.tick,
+    info = ckparts.write_manifest(cfg.ckpt_dir, [records.wire(p) for p in parts], step=job.step, tick=job.tick,
                                   world_size=job.world_size, job_id=cfg.job_id)
     return {"seq": info.seq, "path": os.path.join(cfg.ckpt_dir, info.manifest), "bytes": info.bytes,
             "step": info.step}

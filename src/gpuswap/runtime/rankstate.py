@@ -289,7 +289,9 @@ def _cannot_resume(control: str | None, rank: int, exc: BaseException) -> NoRetu
     if control:
         from gpuswap.runtime.client import send_once
 
-        send_once(control, {"op": "restore_failed", "message": text[:2000]})
+        from gpuswap.protocol.records import RestoreFailed
+
+        send_once(control, RestoreFailed(message=text[:2000]))
     raise SystemExit(1) from None
 
 

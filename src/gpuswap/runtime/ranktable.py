@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from gpuswap import processes
-from gpuswap.protocol import channel, messages
+from gpuswap.protocol import records
 from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
 
@@ -44,10 +44,10 @@ class RankTable:
         self.by_rank: dict[int, socket.socket] = {}
         self.processes: dict[int, RankProcess] = {}      # by pid: every process that was a rank
         self._wanted: Optional[tuple[Any, ...]] = None
-        self.restored: dict[int, messages.Hello] = {}    # each rank's last hello: what it restored
+        self.restored: dict[int, records.Hello] = {}    # each rank's last hello: what it restored
 
     # -- inputs ------------------------------------------------------------------------------
-    def hello(self, conn: socket.socket, msg: messages.Hello, peer_pid: Optional[int], now: float) -> bool:
+    def hello(self, conn: socket.socket, msg: records.Hello, peer_pid: Optional[int], now: float) -> bool:
         """A rank said who it is. False: the connection is refused (a second live process claiming
         a rank, or a world size that disagrees) and must be closed."""
         rank, world = msg.rank if msg.rank is not None else 0, msg.world_size or 1
@@ -72,11 +72,11 @@ class RankTable:
                              f"{_seq(other.restored_seq)}, rank {rank}: {_seq(msg.restored_seq)})")])
         return True
 
-    def receive(self, conn: socket.socket, msg: messages.Message, now: float) -> None:
+    def receive(self, conn: socket.socket, msg: records.Report, now: float) -> None:
         rank = self.conns.get(conn)
         if rank is None:
             return
-        self.route(self.coord.receive(rank, msg.model_dump(exclude_none=True), now))
+        self.route(self.coord.receive(rank, msg, now))
 
     def lost(self, conn: socket.socket, now: float) -> None:
         rank = self.conns.pop(conn, None)
@@ -103,7 +103,7 @@ class RankTable:
     # -- effects -----------------------------------------------------------------------------
     def route(self, effects: list[Effect]) -> None:
         # One line per attempt's turn (not per message): what a stuck pause is read from.
-        told = sorted({e.msg.get("op", "?") for e in effects if isinstance(e, Send)})
+        told = sorted({e.msg.op for e in effects if isinstance(e, Send)})
         if told:
             self.log(f"phase {self.coord.phase}, epoch {self.coord.epoch}: sent {', '.join(told)}"
                      + (f" ({self.coord.error})" if self.coord.error else ""))
@@ -113,7 +113,7 @@ class RankTable:
                 if conn is None:
                     continue
                 try:
-                    conn.sendall(channel.encode(e.msg))
+                    conn.sendall(records.encode(e.msg))
                 except OSError:
                     pass      # its reader sees the close: `lost`
             elif isinstance(e, Kill):

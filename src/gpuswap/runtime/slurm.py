@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from gpuswap.protocol import env as envvars
 from gpuswap.protocol.env import JobEnv
+from gpuswap.protocol.records import Preempt
 from gpuswap.runtime.config import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class SignalBridge:
                 print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
                       file=sys.stderr, flush=True)
             if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
-                if not self.job.send({"op": "preempt", "signal": name}):
+                if not self.job.send(Preempt(signal=name)):
                     print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
                           "the checkpoint", file=sys.stderr, flush=True)
             else:

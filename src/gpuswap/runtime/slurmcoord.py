@@ -168,7 +168,7 @@ class CoordServer:
             threading.Thread(target=self._read, args=(conn, pid), daemon=True, name="gpuswap-coord-rank").start()
 
     def _read(self, conn: socket.socket, pid: int) -> None:
-        from gpuswap.protocol import messages
+        from gpuswap.protocol import messages, records   # the gate (pydantic): only when coordinating
 
         try:
             for line in channel.read_lines(conn, messages.MAX_LINE):
@@ -178,17 +178,17 @@ class CoordServer:
                     msg = messages.parse(line)
                 except messages.BadMessage:
                     continue       # the ranks are this job's own processes: a bad line is dropped
-                if isinstance(msg, messages.Preempt):
+                if isinstance(msg, records.Preempt):
                     self.preempt(f"rank {self._rank_of(conn)} got {msg.signal or 'a preemption signal'}")
                     continue
                 with self.lock:
                     now = time.time()
-                    if isinstance(msg, messages.Hello):
+                    if isinstance(msg, records.Hello):
                         if (msg.world_size or 1) == 1 or not self.table.hello(conn, msg, pid, now):
                             _log(f"refused a control connection (pid {pid}): rank {msg.rank} of "
                                  f"{msg.world_size or 1}, or a rank already connected")
                             break
-                    elif isinstance(msg, messages.RestoreFailed):
+                    elif isinstance(msg, records.RestoreFailed):
                         _log(f"a rank cannot restore: {msg.message}")
                     else:
                         self.table.receive(conn, msg, now)

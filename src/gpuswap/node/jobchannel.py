@@ -1,0 +1,215 @@
+"""The job's end of the control channel, as its supervisor serves it: the socket, and what each
+message from the job's runtime changes.
+
+The supervisor is the server: it outlives daemon restarts, so a job parked in RAM never notices
+the daemon going away. The socket is a path in the run directory (only the daemon can make
+entries there), the job owner's file, mode 0600, and every peer's uid is checked as well
+(SO_PEERCRED). Every line goes through the gate (protocol/messages.py): a bad one is ignored and
+counted, and a connection that sends MAX_BAD of them is closed with one log line.
+
+A single-rank job's messages are folded into status.json's `runtime` here; a multi-rank job's
+(its first hello says world_size > 1) go to its ranks' coordinator (runtime/ranktable.py), whose
+facts replace them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+from gpuswap import peercred
+from gpuswap.node.statusfile import StatusFile
+from gpuswap.protocol import channel, messages, records
+from gpuswap.protocol.rundir import Desired, Spec
+from gpuswap.runtime.ranktable import RankTable
+
+MAX_BAD = 64          # invalid control messages one connection may send before it is closed
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the peer, as the kernel recorded them at connect (not the job's word)."""
+    p = peercred.peer(sock)
+    return p.pid, p.uid
+
+
+class JobChannel:
+    """The control socket of one launch. `conn`: the single-rank runtime's connection; `sent`: the
+    last request sent on it; `ranks`: a multi-rank job's connections and coordinator (None until
+    a rank says hello). Changed under the supervisor's lock (`files.lock`).
+
+    `reconcile()`: the supervisor's move after a fact changed; `desired()`: what the daemon wants
+    now; `on_kill(reason)`: the coordinator's verdict that a multi-rank job cannot go on."""
+
+    def __init__(self, spec: Spec, files: StatusFile, reconcile: Callable[[], None],
+                 desired: Callable[[], Desired], on_kill: Callable[[str], None]) -> None:
+        self.spec, self.files = spec, files
+        self._reconcile, self._desired, self._on_kill = reconcile, desired, on_kill
+        self.conn: Optional[socket.socket] = None
+        self.sent: Optional[tuple[str, Optional[str]]] = None
+        self.ranks: Optional[RankTable] = None
+
+    # -- the socket ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Bind the control socket: a path in our run directory (only the daemon can make entries
+        there), then make it the job owner's, mode 0600; peers are checked by uid as well."""
+        address = self.spec.control
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not address.startswith("@"):
+            try:
+                os.unlink(address)        # a previous supervisor's, of this generation: we hold the lock
+            except FileNotFoundError:
+                pass
+        channel.bind(srv, address)
+        if not address.startswith("@"):
+            owner = (self.spec.uid, self.spec.gid) if os.geteuid() == 0 else (-1, -1)
+            os.chown(address, *owner)
+            os.chmod(address, 0o600)
+        srv.listen(4)
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def _accept(self, srv: socket.socket) -> None:
+        allowed = {0, os.geteuid(), self.spec.uid}
+        while True:
+            conn, _ = srv.accept()
+            pid, uid = peer_cred(conn)
+            if uid not in allowed:
+                conn.close()
+                continue
+            threading.Thread(target=self._read, args=(conn, pid), daemon=True).start()
+
+    def _read(self, conn: socket.socket, peer_pid: Optional[int] = None) -> None:
+        """Serve one connection. Every line is validated (messages.py): a bad one is ignored and
+        counted, and a connection that sends MAX_BAD of them is closed with one log line."""
+        files, bad = self.files, 0
+        try:
+            for line in channel.read_lines(conn, messages.MAX_LINE):
+                try:
+                    if line is None:
+                        raise messages.BadMessage(f"line longer than {messages.MAX_LINE} bytes")
+                    msg = messages.parse(line)
+                except messages.BadMessage as e:
+                    bad += 1
+                    with files.lock:
+                        rt = files.status.runtime
+                        rt["rejected"] = rt.get("rejected", 0) + 1
+                        files.hold_back()
+                    if bad == 1:
+                        files.log_limited(f"ignored an invalid control message ({e}); further ones are counted")
+                    if bad >= MAX_BAD:
+                        files.log_limited(f"closed a control connection after {bad} invalid messages")
+                        break
+                    continue
+                if not self.on_message(conn, msg, peer_pid):
+                    break
+        except OSError:
+            pass
+        conn.close()
+        with files.lock:
+            if self.conn is conn:
+                self.conn = None
+                files.status.runtime["connected"] = False
+            if self.ranks is not None:
+                self.ranks.lost(conn, time.time())
+                self.rank_facts()
+        files.write()
+
+    def send(self, msg: records.Order) -> bool:
+        """A request to the single-rank runtime; False if it is not connected."""
+        conn = self.conn
+        if conn is None:
+            return False
+        try:
+            conn.sendall(records.encode(msg))
+            return True
+        except OSError:
+            return False
+
+    # -- what a message changes ---------------------------------------------------------------
+    def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None) -> bool:
+        """Fold one message into status and reconcile; False: close this connection."""
+        if self.ranks is not None or (isinstance(msg, records.Hello) and (msg.world_size or 1) > 1):
+            return self._on_rank_message(conn, msg, peer_pid)
+        files = self.files
+        with files.lock:
+            rt = files.status.runtime
+            if isinstance(msg, records.Hello):   # sent again on every reconnect; `parked`: still parked in RAM
+                self.conn = conn
+                self.sent = None
+                rt.update(connected=True, attached=True, state="paused" if msg.parked else "running",
+                          pid=msg.pid, restored_step=msg.restored_step,
+                          restored_bytes=msg.restored_bytes, restore_s=msg.restore_s,
+                          restore_note=msg.restore_note)
+                if msg.parked:
+                    rt["tier"] = "ram"
+                else:
+                    rt["device_bytes"] = msg.device_bytes
+            elif isinstance(msg, records.Usage):
+                rt.update(device_bytes=msg.device_bytes, step=msg.step)
+                files.hold_back()       # folded into the next write (USAGE_WRITE_S): nothing to reconcile
+                if not files.due():
+                    return True
+            elif isinstance(msg, records.Paused):
+                rt.update(state="paused", tier=msg.tier, bytes=msg.bytes,
+                          step=msg.step, pause_s=msg.seconds, device_bytes=0)
+                self.sent = None
+            elif isinstance(msg, records.Resumed):   # also the answer to a resume that cancelled a pending pause
+                rt.update(state="running", tier=None, resume_s=msg.seconds,
+                          device_bytes=msg.bytes or rt.get("device_bytes", 0))
+                self.sent = None
+            elif isinstance(msg, records.Checkpointed):
+                rt.update(state="checkpointed", tier="disk", bytes=msg.bytes,
+                          step=msg.step, pause_s=msg.seconds, ckpt_path=msg.path, ckpt_note=msg.note)
+                self.sent = None
+            elif isinstance(msg, records.RestoreFailed):   # no usable checkpoint; the job exits 1 right after
+                rt.update(restore_failed=msg.message)
+            elif isinstance(msg, records.Error):
+                # The request failed; it is not re-sent (a full disk would make that a loop): the
+                # daemon sees the error and changes what it wants.
+                rt.update(error=msg.message, error_at=time.time())
+            else:
+                return True
+        files.write()
+        self._reconcile()
+        return True
+
+    def _on_rank_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int]) -> bool:
+        files, now = self.files, time.time()
+        with files.lock:
+            if self.ranks is None:
+                self.ranks = RankTable(self.spec.pause_timeout_s, self._on_kill, files.log)
+                files.log(f"multi-rank job: {msg.world_size if isinstance(msg, records.Hello) else '?'} ranks")
+            if isinstance(msg, records.Hello):
+                if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now):
+                    files.log_limited(f"refused a control connection (pid {peer_pid}): rank {msg.rank} of "
+                                      f"{msg.world_size or 1} in a job of {self.ranks.coord.world_size} ranks, "
+                                      "or a rank already connected")
+                    self.rank_facts()
+                    return False
+                self.ranks.want(self._desired(), now)
+            elif isinstance(msg, records.Usage):
+                self.ranks.receive(conn, msg, now)
+                files.hold_back()
+                if not files.due():
+                    return True
+            elif isinstance(msg, records.RestoreFailed):
+                files.status.runtime["restore_failed"] = msg.message
+            else:
+                self.ranks.receive(conn, msg, now)
+            self.rank_facts()
+        files.write()
+        return True
+
+    def rank_facts(self) -> None:
+        """status.json from the coordinator (under the lock): the job's facts, and the ranks'
+        processes, which the daemon kills if this supervisor dies."""
+        assert self.ranks is not None
+        status = self.files.status
+        old = status.runtime
+        rt = self.ranks.facts()
+        for keep in ("rejected", "restore_failed"):
+            if keep in old:
+                rt[keep] = old[keep]
+        status.runtime = rt
+        status.rank_pids = self.ranks.pid_records()
