@@ -77,8 +77,10 @@ def protection_text(v: JobView, left: float, snap: Snapshot) -> tuple[str, dict[
     c = snap.config
     p = protected_s(v, snap)
     rt, source = round_trip_s(v, snap)
-    what = (f"its measured {rt:.1f} s park + resume (mean of {v.switches} preemption{'s' if v.switches != 1 else ''})" if source == "measured"
-            else f"its {rt:.1f} s park + resume {'in RAM' if source == 'ram' else 'to disk'}")
+    if source == "measured":
+        what = f"its measured {rt:.1f} s park + resume (mean of {v.switches} preemption{'s' * (v.switches != 1)})"
+    else:
+        what = f"its {rt:.1f} s park + resume {'in RAM' if source == 'ram' else 'to disk'}"
     numbers = {"seconds_left": left, "protected_s": p, "round_trip_s": rt, "multiple": c.protect_multiple,
                "min_runtime_s": c.min_runtime_s, "cap_s": c.protect_cap_s}
     scaled = c.protect_multiple * rt
