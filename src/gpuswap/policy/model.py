@@ -43,7 +43,7 @@ class JobView:
     mem_bytes: int           # GPU memory footprint per GPU (reported by its runtime, else declared)
     submit_time: float
     phase_since: float       # when the job entered its current phase
-    last_start: Optional[float] = None   # last start or resume; anchors the minimum runtime
+    last_start: Optional[float] = None   # last start or resume; anchors its protection
     attained_gpu_s: float = 0.0          # GPU-seconds of service received so far (LAS)
     switch_s: float = 0.0                # seconds spent pausing/resuming so far (anti-thrashing)
     run_s: float = 0.0                   # seconds spent RUNNING so far
