@@ -108,7 +108,7 @@ class BenchDaemon:
                         PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self.log = open(self.home / "daemon.out", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", "--simulate-gpus",
-                                      f"{gpus}x80GiB", "--min-runtime", "0", "--max-switch-fraction", "1",
+                                      f"{gpus}x80GiB", "--min-runtime", "0", "--protect-multiple", "0", "--max-switch-fraction", "1",
                                       "--no-calibrate", "--pause-timeout", "300"],
                                      env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         self.client = Client(self.home, timeout=60)

@@ -237,7 +237,8 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
     home = Path(tempfile.mkdtemp(prefix="gsf-", dir="/tmp"))
     mounted = scenario == "disk-full" and _mount_tmpfs(home)
     home.chmod(0o755)
-    d = Daemon(home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "1", "--no-calibrate"])
+    d = Daemon(home, ["--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--protect-multiple", "0",
+                      "--max-switch-fraction", "1", "--no-calibrate"])
     target = rng.choice(TARGETS[scenario])
     delay = rng.uniform(0.0, 0.3)
     again = rng.uniform(0.0, 3.0) if rng.random() < 0.3 else None

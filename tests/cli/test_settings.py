@@ -90,6 +90,19 @@ def test_load_reads_each_source_with_the_same_reader():
     assert load({}, {"ram-budget": 4096, "simulate-gpus": 2}) == ServerSettings(ram_budget=4096, simulate_gpus="2")
 
 
+def test_protection_settings_reach_the_policy_config_from_flags_and_file():
+    """Cost-aware protection (docs/policies.md): --min-runtime is its floor, --protect-multiple and
+    --protect-cap the rest; both sources, one reader, defaults the policy's own."""
+    from gpuswap.policy.model import PolicyConfig
+    s = load({}, {})
+    assert (s.min_runtime_s, s.protect_multiple, s.protect_cap_s) == (
+        PolicyConfig().min_runtime_s, PolicyConfig().protect_multiple, PolicyConfig().protect_cap_s)
+    s = load({"protect_cap_s": "30"}, {"protect-multiple": 2, "protect-cap": 90, "min-runtime": 60})
+    assert (s.min_runtime_s, s.protect_multiple, s.protect_cap_s) == (60.0, 2.0, 30.0)
+    with pytest.raises(SettingsError, match=r"^--protect-multiple '-1' must be a finite number >= 0$"):
+        load({"protect_multiple": "-1"}, {})
+
+
 def test_the_printed_config_reads_back_as_the_same_settings(tmp_path):
     home = tmp_path / "h"
     flags = ("--simulate-gpus", "2x8GiB", "--ram-budget", "3GiB", "--listen", "127.0.0.1:0", "--retention", "90m",
@@ -128,6 +141,8 @@ BAD_FILES = [
     ('min-runtime = "soon"\n', "min-runtime 'soon' is not a number"),
     ("min-runtime = -1\n", "min-runtime -1 must be a finite number >= 0"),
     ("min-runtime = nan\n", "min-runtime nan must be a finite number >= 0"),
+    ("protect-cap = -5\n", "protect-cap -5 must be a finite number >= 0"),
+    ('protect-multiple = "x"\n', "protect-multiple 'x' is not a number"),
     ("pause-timeout = true\n", "pause-timeout must be a number, not a boolean"),
     ('calibrate = "no"\n', "calibrate must be true or false, not a string"),
     ("policy = 3\n", "policy must be a string, not an integer"),

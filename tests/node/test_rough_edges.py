@@ -139,3 +139,9 @@ def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
         [urgent] = [i for (i,) in db.execute("SELECT id FROM jobs WHERE name = 'urgent'")]
         times = dict(db.execute("SELECT state, min(time) FROM events WHERE job_id = ? GROUP BY state", (urgent,)))
     assert abs(said - (times["COMPLETED"] - times["PENDING"])) <= 0.051, (said, times)
+    # With the daemon's defaults (no --min-runtime crutch), the long job, which parks in about a
+    # second, was paused for the urgent job inside the fixed 60 s minimum every job used to get.
+    with sqlite3.connect(home / "state.db") as db:
+        [long_id] = [i for (i,) in db.execute("SELECT id FROM jobs WHERE name = 'long'")]
+        times = dict(db.execute("SELECT state, min(time) FROM events WHERE job_id = ? GROUP BY state", (long_id,)))
+    assert times["PAUSING"] - times["RUNNING"] < 60, times

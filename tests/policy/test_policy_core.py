@@ -52,11 +52,11 @@ def test_never_splits_a_job_across_nodes():
 
 @pytest.mark.parametrize("policy", PREEMPTIVE)
 def test_minimum_runtime_is_respected(policy):
-    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), since=970, attained=1e6,
+    victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), since=997, attained=1e6,
                  run_s=1e6, submit=0)
     urgent = job("u", prio=Priority.URGENT, submit=990, since=990)
     jobs = _with_remaining([victim, urgent], policy)
-    assert decide(snap(1000, gpus(1), jobs), policy) == []           # 30 s < 60 s minimum runtime
+    assert decide(snap(1000, gpus(1), jobs), policy) == []           # 3 s < its 5.7 s protection
     late = snap(1000 + 31 + 600, gpus(1), jobs)                        # past it (and past a quantum)
     assert kinds(decide(late, policy)) == [("Pause", "low")]
 

@@ -39,13 +39,14 @@ def test_minimum_runtime_and_no_preempt_and_priority_are_named():
             job("6", Phase.RUNNING, prio=Priority.LOW, assigned=(2,), preemptible=False),
             job("8", Phase.RUNNING, prio=Priority.LOW, assigned=(3,), tiers=frozenset()),
             job("7", prio=Priority.HIGH, gpus=4, submit=110, since=110)]
-    s = snap(118, gpus(4), jobs)
+    s = snap(118, gpus(4), jobs, config=PolicyConfig(min_runtime_s=60))
     out, waits = decide_explained(s)
     assert out == decide(s) == []
     w = waits["7"]
     assert w.text.startswith("waiting for 4 GPUs: ")
     assert "GPU 0 held by job 3 (urgent, not preemptible by a lower priority)" in w.text
-    assert "GPU 1 held by job 5 (protected for its minimum runtime, 42 s more)" in w.text
+    assert ("GPU 1 held by job 5 (protected for 42 s more: the 60 s minimum runtime after a start or "
+            "resume (4 x its 1.4 s park + resume in RAM is less))") in w.text
     assert "GPU 2 held by job 6 (not preemptible)" in w.text
     assert "GPU 3 held by job 8 (cannot be parked" in w.text
     assert [b.code for b in w.blockers] == ["Priority", "MinRuntime", "NoPreempt", "NotParkable"]

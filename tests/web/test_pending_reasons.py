@@ -30,7 +30,8 @@ def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
     holds the only GPU; the urgent job waits on the switch-time cap, the reason says so with its
     numbers, in ls, show and the overview, an event records it, and once the cap allows it the low
     job is parked and the urgent one runs."""
-    d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--max-switch-fraction", "0.5",
+    d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--protect-multiple", "0",
+                    "--max-switch-fraction", "0.5",
                     "--ram-budget", "64GiB", calibrate=True)
     # The switch cost is the move at this machine's bandwidth: wait for its calibration (at start).
     d.until(0, lambda g: g["bandwidths"]["ram_park_bps"]["source"].startswith("calibrated"), get="/v1/gpus")
@@ -85,10 +86,11 @@ def test_minimum_runtime_no_preempt_and_priority_are_named(make_daemon):
     assert j["pending_reason_text"].startswith("waiting for 3 GPUs: ")
     shown_everywhere(d, want, f"GPU {gpu[top]} held by job {top} (urgent, not preemptible by a lower priority)")
     shown_everywhere(d, want, f"GPU {gpu[pinned]} held by job {pinned} (not preemptible)")
-    left = re.search(rf"GPU {gpu[young]} held by job {young} \(protected for its minimum runtime, (\d+) s more\)",
+    left = re.search(rf"GPU {gpu[young]} held by job {young} \(protected for (\d+) s more: the 600 s minimum "
+                     r"runtime after a start or resume \(4 x its [\d.]+ s park \+ resume in RAM is less\)\)",
                      j["pending_reason_text"])
     assert left and 0 < int(left[1]) <= 600, j["pending_reason_text"]
-    shown_everywhere(d, want, f"held by job {young} (protected for its minimum runtime, ")
+    shown_everywhere(d, want, f"held by job {young} (protected for ")
     # A job held by its owner off the GPU says so, too (the controller's reason: the policy never sees it).
     events = [e["reason"] for e in d.job(want)["events"]]
     assert any(r.startswith("waiting (Priority): waiting for 3 GPUs") for r in events), events

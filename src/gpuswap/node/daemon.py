@@ -151,6 +151,8 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s, no_runtime=opts.no_runtime,
                               ram_budget=opts.ram_budget or default_ram_budget(),
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
+                                                         protect_multiple=opts.protect_multiple,
+                                                         protect_cap_s=opts.protect_cap_s,
                                                          max_switch_fraction=opts.max_switch_fraction))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)

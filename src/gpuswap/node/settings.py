@@ -31,7 +31,7 @@ from gpuswap.protocol import env as envvars
 
 SYSTEM_CONFIG = Path("/etc/gpuswap/gpuswap.toml")
 CONFIG_NAME = "gpuswap.toml"          # beside the state of any other daemon: HOME/gpuswap.toml
-_POLICY = PolicyConfig()              # min-runtime and max-switch-fraction are the policy's own defaults
+_POLICY = PolicyConfig()              # the policy's own defaults: min-runtime, protect-*, max-switch-fraction
 
 
 class SettingsError(Exception):
@@ -205,7 +205,18 @@ class ServerSettings:
         unit="NAME")
     min_runtime_s: float = _setting(
         _POLICY.min_runtime_s, "min-runtime",
-        "minimum runtime after a start or resume before a job may be preempted", _number, unit="SECONDS")
+        "no job is preempted within this long after a start or resume: the floor of its protection, "
+        "which otherwise follows what a switch of it costs (--protect-multiple, --protect-cap)",
+        _number, unit="SECONDS")
+    protect_multiple: float = _setting(
+        _POLICY.protect_multiple, "protect-multiple",
+        "after a start or resume a job is protected for this many times what parking and resuming "
+        "it costs, between --min-runtime and --protect-cap (0: --min-runtime for every job)",
+        _number, unit="FACTOR")
+    protect_cap_s: float = _setting(
+        _POLICY.protect_cap_s, "protect-cap",
+        "the longest protection after a start or resume, however costly a switch of the job (a "
+        "higher --min-runtime wins)", _number, unit="SECONDS")
     max_switch_fraction: float = _setting(
         _POLICY.max_switch_fraction, "max-switch-fraction",
         "anti-thrashing: never preempt a job if pausing and resuming it would make switching more than "

@@ -32,6 +32,7 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
         last_start=j.last_start,
         attained_gpu_s=j.attained_gpu_s,
         switch_s=j.switch_s,
+        switches=j.preemptions,
         run_s=j.run_s,
         assigned=tuple(j.assigned),
         # A pause in flight counts where it is going, so two rounds cannot both fill the RAM budget.

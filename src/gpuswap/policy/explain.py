@@ -5,8 +5,9 @@ the moment a job is passed over, so it sees the round exactly as the decision di
 already handed out or promised to jobs ahead of it, victims being paused, the host-RAM room left.
 Every holder of a GPU the job needs is put through the gates `victims.eligible` and
 `victims.plan_on` apply (eligibility, preemption level, a park plan, the switch-time cap, benefit
-versus cost), with the same predicates; the first that refuses is its reason (a minimum runtime,
-which runs out, is named after a preemption level, which does not). Nothing here changes the round.
+versus cost), with the same predicates; the first that refuses is its reason (the protection after
+a start or resume, which runs out, is named after a preemption level, which does not). Nothing
+here changes the round.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class Explainer:
         if v.phase is not Phase.RUNNING:
             return "Resources", "stopped with its memory still on the GPU", {}
         # Every gate must pass, so any that refuses is true; the lasting ones are named first (a
-        # minimum runtime runs out, a higher class does not).
+        # protection after a start or resume runs out, a higher class does not).
         why = protection(v, snap)
         if why is not None and why[0] != "MinRuntime":
             return why

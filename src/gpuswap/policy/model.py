@@ -43,7 +43,7 @@ class JobView:
     mem_bytes: int           # GPU memory footprint per GPU (reported by its runtime, else declared)
     submit_time: float
     phase_since: float       # when the job entered its current phase
-    last_start: Optional[float] = None   # last start or resume; anchors the minimum runtime
+    last_start: Optional[float] = None   # last start or resume; anchors its protection
     attained_gpu_s: float = 0.0          # GPU-seconds of service received so far (LAS)
     switch_s: float = 0.0                # seconds spent pausing/resuming so far (anti-thrashing)
     run_s: float = 0.0                   # seconds spent RUNNING so far
@@ -70,6 +70,10 @@ class JobView:
     width: int = 1
     # Why `tiers` is empty or narrowed (capability.Parkability.why_not), for the reasons people read.
     why_not: Optional[str] = None
+    # Policy pauses (preemptions) it has had, whose parks and resumes `switch_s` sums: with it,
+    # switch_s / switches is what a switch of this job has really cost (reaching its safepoint
+    # included), which its protection after a resume follows (victims.protected_s). 0: not known.
+    switches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,7 @@ class SwitchCosts:
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    min_runtime_s: float = 60.0          # no preemption within this long after a start/resume
+    min_runtime_s: float = 5.0           # the floor of the protection after a start/resume (see below)
     max_switch_fraction: float = 0.2     # cap on switch time / lifetime before a job is protected
     fair_share_half_life_s: float = 7 * 24 * 3600.0
     las_thresholds_gpu_s: tuple[float, ...] = (3600.0, 36000.0)
@@ -116,6 +120,16 @@ class PolicyConfig:
     # 256 hours. Finer than Tiresias' 2-3 queues because a park costs seconds, not a
     # checkpoint-restart; per GPU because GPU-seconds starved wide long jobs (policies.md).
     gpuswap_bands_s: tuple[float, ...] = tuple(900.0 * 2**k for k in range(11))
+    # Issue 15 item 1, cost-aware protection (every preemptive policy): after a start or resume a
+    # job is not paused for protect_multiple x what one switch of it costs (park + resume at the
+    # tier it would be parked to; its own measured mean once it has switched), at least
+    # min_runtime_s (the floor, above) and at most protect_cap_s (unless the floor is higher).
+    # 4 = (1 - 0.2) / 0.2: even a job paused as soon as its protection ends spends at most a fifth
+    # of its time switching, the max_switch_fraction default; the cap is the fixed 60 s every job
+    # had before, so no job is protected longer than it was. protect_multiple 0 gives the old
+    # fixed minimum runtime (min_runtime_s for every job). docs/policies.md has the figures.
+    protect_multiple: float = 4.0
+    protect_cap_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,20 +1,22 @@
 """Choosing whom to pause for a waiting job: eligible victims, their park plans, the best plan.
 
-Rules kept here once for every policy: a victim is RUNNING, preemptible, has a runtime and has run
-`min_runtime_s` since its last start; a waiting job may pause it only if its level is strictly
+Rules kept here once for every policy: a victim is RUNNING, preemptible, has a runtime and is past
+its protection after its last start or resume (`protected_s`: a multiple of what a switch of it
+costs, between a floor and a cap); a waiting job may pause it only if its level is strictly
 lower; the policy's victim order holds across the whole cluster; a victim is parked by the
 cheapest plan (`costs.park_plan`) and, for policies that ask, only within the switch-time cap and
 when the benefit beats the cost.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, job_bytes, park_plan, spill_penalty_gpu_s
+from gpuswap.policy.costs import ParkPlan, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
 from gpuswap.policy.model import JobView, Phase, Snapshot
 from gpuswap.policy.residue import after_park
 from gpuswap.policy.specs import Ctx, Spec
@@ -38,6 +40,62 @@ def under_switch_cap(v: JobView, cost: float, snap: Snapshot) -> bool:
     return life <= 0 or (v.switch_s + cost) / life <= snap.config.max_switch_fraction
 
 
+def round_trip_s(v: JobView, snap: Snapshot) -> tuple[float, str]:
+    """What one switch (park + resume) of `v` costs, and where the figure comes from: its own
+    measured mean once it has been preempted ("measured"), else the cost model at the tier it
+    would be parked to -- host RAM when its runtime can, else disk ("ram" | "disk"). The RAM
+    budget's state is left out on purpose: a job's protection should not come and go with it."""
+    if v.switches > 0 and v.switch_s > 0:
+        return v.switch_s / v.switches, "measured"
+    tier = "ram" if "ram" in v.tiers else "disk"
+    return switch_s(v, tier, snap.costs), tier
+
+
+def protected_s(v: JobView, snap: Snapshot) -> float:
+    """How long after its last start or resume `v` may not be paused: protect_multiple x its
+    round trip, clamped to [min_runtime_s, protect_cap_s] (the floor wins over a lower cap).
+    A cheap-to-park job is protected only briefly, so an urgent job gets it in seconds; an
+    expensive one long enough that its switches stay a small share of its time."""
+    c = snap.config
+    floor = c.min_runtime_s
+    if c.protect_multiple <= 0 or c.protect_cap_s <= floor:
+        return floor
+    return max(floor, min(c.protect_multiple * round_trip_s(v, snap)[0], c.protect_cap_s))
+
+
+def _anchor(v: JobView) -> float:
+    return v.phase_since if v.last_start is None else v.last_start
+
+
+def _s(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def protection_text(v: JobView, left: float, snap: Snapshot) -> tuple[str, dict[str, float]]:
+    """The reason a waiting job reads for a protected holder: the seconds left, the protection and
+    why it is that long (the multiple of which switch cost, or the floor, or the cap)."""
+    c = snap.config
+    p = protected_s(v, snap)
+    rt, source = round_trip_s(v, snap)
+    if source == "measured":
+        what = f"its measured {rt:.1f} s park + resume (mean of {v.switches} preemption{'s' * (v.switches != 1)})"
+    else:
+        what = f"its {rt:.1f} s park + resume {'in RAM' if source == 'ram' else 'to disk'}"
+    numbers = {"seconds_left": left, "protected_s": p, "round_trip_s": rt, "multiple": c.protect_multiple,
+               "min_runtime_s": c.min_runtime_s, "cap_s": c.protect_cap_s}
+    scaled = c.protect_multiple * rt
+    if c.protect_multiple <= 0:
+        why = f"the {_s(p)} s minimum runtime after a start or resume"
+    elif p == c.min_runtime_s:
+        why = (f"the {_s(p)} s minimum runtime after a start or resume ({c.protect_multiple:g} x {what} "
+               + ("is less)" if scaled <= p else f"would be {_s(scaled)} s, over the {_s(c.protect_cap_s)} s cap)"))
+    elif scaled > p:
+        why = f"{c.protect_multiple:g} x {what}, capped at {_s(p)} s"
+    else:
+        why = f"{c.protect_multiple:g} x {what} = {_s(p)} s after a start or resume"
+    return f"protected for {math.ceil(left)} s more: {why}", numbers
+
+
 def protection(v: JobView, snap: Snapshot) -> Optional[tuple[str, str, dict[str, float]]]:
     """Why a RUNNING job may not be paused for anyone: (code, text, numbers), or None when it may.
     The rules `eligible` applies, one job at a time (tested to agree), for explanations."""
@@ -45,10 +103,10 @@ def protection(v: JobView, snap: Snapshot) -> Optional[tuple[str, str, dict[str,
         return "NoPreempt", "not preemptible", {}
     if not v.tiers:
         return "NotParkable", f"cannot be parked: {v.why_not or 'no gpuswap runtime attached and no driver freeze'}", {}
-    left = (v.phase_since if v.last_start is None else v.last_start) - (snap.now - snap.config.min_runtime_s)
+    left = _anchor(v) - (snap.now - protected_s(v, snap))     # the same arithmetic as `eligible`
     if left > 0:
-        return ("MinRuntime", f"protected for its minimum runtime, {left:.0f} s more",
-                {"seconds_left": left, "min_runtime_s": snap.config.min_runtime_s})
+        text, numbers = protection_text(v, left, snap)
+        return "MinRuntime", text, numbers
     return None
 
 
@@ -81,15 +139,19 @@ def switch_cap_numbers(v: JobView, cost: float, snap: Snapshot) -> dict[str, flo
 
 
 def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[list[JobView], list[tuple]]:
-    """Running jobs that may be paused at all (runtime attached, preemptible, past the minimum
-    runtime), with their levels.
+    """Running jobs that may be paused at all (runtime attached, preemptible, past their
+    protection), with their levels.
 
     Comprehensions rather than one loop: this runs on most calls of a busy cluster, over every
-    running job, and is the simulator's hottest path.
+    running job, and is the simulator's hottest path. A job's switch cost is worked out only
+    between the floor and the longest protection (`settled`); most running jobs are past it.
     """
-    protect_after = snap.now - snap.config.min_runtime_s
+    now, c = snap.now, snap.config
+    floor_after = now - c.min_runtime_s
+    settled = now - max(c.min_runtime_s, c.protect_cap_s if c.protect_multiple > 0 else 0.0)
     ok = [v for v in cl.running if v.preemptible and v.tiers
-          and (v.phase_since if v.last_start is None else v.last_start) <= protect_after]
+          and ((t := (v.phase_since if v.last_start is None else v.last_start)) <= settled
+               or (t <= floor_after and t <= now - protected_s(v, snap)))]
     return ok, (spec.running_levels(ok, ctx) if spec.running_levels else [spec.level(v, ctx) for v in ok])
 
 

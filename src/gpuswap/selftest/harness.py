@@ -16,7 +16,8 @@ from gpuswap.selftest import jobs
 from gpuswap.selftest.jobs import Files
 
 WAIT_S = 900.0                       # a step that takes this long has failed (a loaded machine is slow)
-DAEMON_ARGS = ("--min-runtime", "0", "--pause-timeout", "600", "--max-switch-fraction", "1", "--no-calibrate")
+DAEMON_ARGS = ("--min-runtime", "0", "--protect-multiple", "0", "--pause-timeout", "600", "--max-switch-fraction", "1",
+               "--no-calibrate")   # no anti-thrashing: its scenarios preempt at once
 TERMINAL = ENDED
 
 

@@ -37,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tick", type=float, default=300.0,
                    help="seconds between re-evaluations while jobs wait (time-based rules)")
     p.add_argument("--min-runtime", type=float, default=PolicyConfig().min_runtime_s, metavar="SECONDS",
-                   help="minimum runtime after a start or resume before a job may be preempted")
+                   help="no job is preempted within this long after a start or resume (the floor of "
+                        "its protection; docs/policies.md)")
+    p.add_argument("--protect-multiple", type=float, default=PolicyConfig().protect_multiple, metavar="FACTOR",
+                   help="protect a job after a start or resume for this many times its park + resume "
+                        "cost, between --min-runtime and --protect-cap (0: --min-runtime for every job)")
+    p.add_argument("--protect-cap", type=float, default=PolicyConfig().protect_cap_s, metavar="SECONDS",
+                   help="the longest protection after a start or resume (a higher --min-runtime wins)")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
 
 
@@ -71,6 +77,12 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
         return f"--tick must be a number of seconds > 0, got {args.tick}"
     if not (finite(args.min_runtime) and args.min_runtime >= 0):
         return f"--min-runtime must be a number of seconds >= 0, got {args.min_runtime}"
+    multiple = getattr(args, "protect_multiple", PolicyConfig().protect_multiple)
+    if not (finite(multiple) and multiple >= 0):
+        return f"--protect-multiple must be a number >= 0, got {multiple}"
+    cap = getattr(args, "protect_cap", PolicyConfig().protect_cap_s)
+    if not (finite(cap) and cap >= 0):
+        return f"--protect-cap must be a number of seconds >= 0, got {cap}"
     if args.limit is not None and args.limit < 1:
         return f"--limit must be >= 1, got {args.limit}"
     return None
@@ -108,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if trace.rounded:
         print(f"{trace.rounded} job(s) asked for a fraction of a GPU; rounded up to whole GPUs", file=sys.stderr)
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
-    config = PolicyConfig(min_runtime_s=args.min_runtime)
+    config = PolicyConfig(min_runtime_s=args.min_runtime,
+                          protect_multiple=getattr(args, "protect_multiple", PolicyConfig().protect_multiple),
+                          protect_cap_s=getattr(args, "protect_cap", PolicyConfig().protect_cap_s))
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
 
@@ -145,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 "clamped": trace.clamped, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                 "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
-                "min_runtime_s": args.min_runtime,
+                "min_runtime_s": config.min_runtime_s, "protect_multiple": config.protect_multiple,
+                "protect_cap_s": config.protect_cap_s,
                 "multi_rank": "cooperative" if multi_rank else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")

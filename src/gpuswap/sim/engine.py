@@ -104,7 +104,8 @@ class _RunningView(JobView):
                       last_start=j.last_start, switch_s=j.switch_s, assigned=j.assigned,
                       parked=j.parked, parked_bytes=j.parked_bytes, preemptible=True,
                       tiers=j.tiers, holds_gpu_while_paused=False, node=j.node,
-                      weight=s.weight, residue_bytes=0, width=s.gpus)   # no residue in the simulator
+                      weight=s.weight, residue_bytes=0, width=s.gpus,   # no residue in the simulator
+                      switches=j.preemptions)
         for name, value in values.items():
             _SLOT[name].__set__(v, value)
         object.__setattr__(v, "_sim", sim)
@@ -238,7 +239,7 @@ class Simulator:
         return JobView(s.id, s.user, s.priority, j.phase, s.gpus, s.mem, s.submit, j.phase_since,
                        j.last_start, j.attained, j.switch_s, j.run_s, j.assigned, j.parked,
                        j.parked_bytes, True, j.tiers, False, j.node, s.weight,
-                       (s.duration - j.done) if self.oracle else None, width=s.gpus)
+                       (s.duration - j.done) if self.oracle else None, width=s.gpus, switches=j.preemptions)
 
     def _decide(self) -> bool:
         dt = self.now - self.last_usage_t
