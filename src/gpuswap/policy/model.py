@@ -116,6 +116,12 @@ class PolicyConfig:
     # 256 hours. Finer than Tiresias' 2-3 queues because a park costs seconds, not a
     # checkpoint-restart; per GPU because GPU-seconds starved wide long jobs (policies.md).
     gpuswap_bands_s: tuple[float, ...] = tuple(900.0 * 2**k for k in range(11))
+    # Issue 15, item 2 (no starvation of wide jobs): a waiting job that has waited this long in its
+    # current phase without being placed gets a reservation on the node that can free its GPUs
+    # soonest; jobs behind it may no longer start, resume or preempt there in a way that delays it
+    # (engine.py `_Round._reserve`, docs/policies.md). None: never. Only policies whose Spec has
+    # `reserves` (gpuswap). Default: docs/policies.md says why.
+    reserve_after_s: Optional[float] = 600.0
 
 
 @dataclass(frozen=True, slots=True)

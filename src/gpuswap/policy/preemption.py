@@ -251,6 +251,13 @@ class Preemption:
             self._top += 1                  # levels only go: the highest left is found by walking down
         self.max_level = self._gaps[-1 - self._top] if self._top < len(self._gaps) else None
 
+    def close(self, node: str) -> None:
+        """A reservation holds `node` for a job ahead in the order: nobody behind it pauses anyone
+        there this round, as if its victims were taken."""
+        left = [(v, None) for v, _ in self.pairs.get(node, ()) if v.id not in self.gone]
+        if left:
+            self.taken(node, left)
+
     def _rescore(self, group: _Group, node: str, gone: set[str]) -> None:
         """`node`'s RAM room changed: score its victims in `group` again. Taken victims stay in
         the ranked list (skipped where it is read) unless a key moved and the group is re-sorted."""
