@@ -210,6 +210,11 @@ class ServerSettings:
         _POLICY.max_switch_fraction, "max-switch-fraction",
         "anti-thrashing: never preempt a job if pausing and resuming it would make switching more than "
         "this fraction of its life", _number, unit="FRACTION")
+    reserve_after_s: Optional[float] = _setting(
+        _POLICY.reserve_after_s, "reserve-after",
+        "a job that has waited this long gets a reservation on the node that can free its GPUs soonest: "
+        'no job behind it may start or preempt into them (gpuswap policy; e.g. 10m, 600, or "never")',
+        _duration, unit="DURATION", default_text="10m", show=_toml_duration)
     pause_timeout_s: float = _setting(
         60.0, "pause-timeout", "how long to wait for a safepoint before falling back", _number, unit="SECONDS")
     no_runtime: str = _setting(

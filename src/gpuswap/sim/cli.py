@@ -38,7 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between re-evaluations while jobs wait (time-based rules)")
     p.add_argument("--min-runtime", type=float, default=PolicyConfig().min_runtime_s, metavar="SECONDS",
                    help="minimum runtime after a start or resume before a job may be preempted")
+    p.add_argument("--reserve-after", type=_seconds_or_never, default=PolicyConfig().reserve_after_s,
+                   metavar="SECONDS|never",
+                   help="a job that waited this long gets a reservation on the node that can free its "
+                        "GPUs soonest (gpuswap policy; docs/policies.md); never: no reservations")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
+
+
+def _seconds_or_never(text: str) -> Optional[float]:
+    """A number of seconds, or "never" (None). Range is checked in `_bad_option`."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds or 'never', got {text!r}") from None
 
 
 def register(subparsers: Any) -> None:
@@ -71,6 +85,9 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
         return f"--tick must be a number of seconds > 0, got {args.tick}"
     if not (finite(args.min_runtime) and args.min_runtime >= 0):
         return f"--min-runtime must be a number of seconds >= 0, got {args.min_runtime}"
+    reserve = getattr(args, "reserve_after", PolicyConfig().reserve_after_s)
+    if reserve is not None and not (finite(reserve) and reserve >= 0):
+        return f"--reserve-after must be a number of seconds >= 0 or 'never', got {reserve}"
     if args.limit is not None and args.limit < 1:
         return f"--limit must be >= 1, got {args.limit}"
     return None
@@ -108,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if trace.rounded:
         print(f"{trace.rounded} job(s) asked for a fraction of a GPU; rounded up to whole GPUs", file=sys.stderr)
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
-    config = PolicyConfig(min_runtime_s=args.min_runtime)
+    config = PolicyConfig(min_runtime_s=args.min_runtime,
+                          reserve_after_s=getattr(args, "reserve_after", PolicyConfig().reserve_after_s))
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
 
@@ -145,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 "clamped": trace.clamped, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                 "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
-                "min_runtime_s": args.min_runtime,
+                "min_runtime_s": args.min_runtime, "reserve_after_s": config.reserve_after_s,
                 "multi_rank": "cooperative" if multi_rank else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")
