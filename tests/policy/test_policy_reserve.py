@@ -156,3 +156,48 @@ def test_the_wide_job_gets_its_gpus_over_a_stream_of_narrow_jobs():
     assert run(PolicyConfig(reserve_after_s=None)) is None
     started = run(PolicyConfig())
     assert started is not None and BOUND <= started <= BOUND + 200
+
+
+def test_decide_and_decide_explained_agree_with_reservations():
+    """Random small clusters with reservations forming (bound 0 or 200 s), RAM-parked jobs pinned
+    to their GPUs among them: the explained round makes the same decisions, every waiting job
+    not served has a reason, and shuffling the snapshot changes nothing."""
+    rng = random.Random(15)
+    for trial in range(300):
+        n_gpu = rng.choice([2, 4])
+        nodes = rng.choice([1, 2, 3])
+        g = gpus(n_gpu, nodes=nodes)
+        free = [x.id for x in g]
+        rng.shuffle(free)
+        jobs = []
+        for i in range(rng.randint(2, 9)):
+            want = rng.choice([1, 1, 2, 4])
+            prio = rng.choice([LOW, NORMAL, Priority.HIGH])
+            kind = rng.choice(["run", "run", "pend", "pend", "disk", "pinned"])
+            node_ids = [x for x in free if x // n_gpu == (free[0] // n_gpu if free else 0)][:want]
+            if kind in ("run", "pinned") and len(node_ids) == want:
+                for x in node_ids:
+                    free.remove(x)
+                if kind == "run":
+                    jobs.append(job(str(i), Phase.RUNNING, prio=prio, gpus=want, assigned=tuple(node_ids),
+                                    since=rng.uniform(0, 590), attained=rng.uniform(0, 1e5),
+                                    preemptible=rng.random() > 0.2))
+                else:                       # its GPUs are free: it waits for exactly them
+                    jobs.append(job(str(i), Phase.PAUSED, prio=prio, gpus=want, parked="ram", node=f"n{node_ids[0] // n_gpu}",
+                                    home_gpus=tuple(sorted(node_ids)), since=rng.uniform(0, 590),
+                                    run_s=rng.uniform(1, 300), attained=rng.uniform(0, 1e5)))
+            elif kind == "disk":
+                jobs.append(job(str(i), Phase.PAUSED, prio=prio, gpus=want, parked="disk", since=rng.uniform(0, 590),
+                                run_s=rng.uniform(1, 300), attained=rng.uniform(0, 1e5)))
+            else:
+                jobs.append(job(str(i), prio=prio, gpus=want, submit=rng.uniform(0, 590), since=rng.uniform(0, 590)))
+        config = PolicyConfig(min_runtime_s=rng.choice([0, 60, 600]), reserve_after_s=rng.choice([0.0, 200.0, None]))
+        s = snap(600, g, jobs, config=config)
+        out, waits = decide_explained(s)
+        assert out == decide(s), trial
+        served = {d.job_id for d in out if type(d).__name__ in ("Start", "Resume")}
+        waiting = {j.id for j in s.jobs if j.phase in (Phase.PENDING, Phase.PAUSED)}
+        assert set(waits) == waiting - served, (trial, waits, out)
+        shuffled = list(jobs)
+        rng.shuffle(shuffled)
+        assert decide(replace(s, jobs=tuple(shuffled))) == out, trial

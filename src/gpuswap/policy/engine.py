@@ -112,7 +112,8 @@ class _Round:
         if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
             lw = self._level_if_may_preempt(w, key)
             if lw is None:
-                self._wait(w, self._level(w, key), need)
+                if self.why is not None or cl.special:    # else no job behind it can be served
+                    self._wait(w, self._level(w, key), need)   # this round: nothing to reserve against
                 return True
             if not self._preempt(w, key, lw, need):
                 self._wait(w, lw, need)
