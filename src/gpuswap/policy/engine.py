@@ -194,11 +194,13 @@ class _Round:
         and coming-free GPUs it needs there, and let no job behind it in the order pause anyone on
         that node; the node's other free GPUs stay open to backfill. One reservation per node; the
         job's own victims there are paused by the usual rules (its level, protection, switch cap,
-        benefit) as soon as they free enough with what is held. Whether it reserved."""
+        benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
+        it can lose GPUs to narrower jobs behind it. Whether it reserved."""
         after = self.snap.config.reserve_after_s
-        if (not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
+        if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
                 or w.holds_gpu_while_paused or w.home_gpus):
-            return False                    # stopped and pinned jobs already wait for exact GPUs
+            return False     # a 1-GPU job gets any GPU that frees before those behind it; stopped
+                             # and pinned jobs already wait for exact GPUs
         cl = self.cl
         if len(self.reserved) == len(cl.nodes):
             return False
