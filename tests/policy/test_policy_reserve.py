@@ -87,7 +87,7 @@ def test_jobs_behind_it_do_not_preempt_on_the_reserved_node():
     assert kinds(decide(snap(now, gpus(2), jobs(now - 5)))) == [("Pause", "L1")]     # for X
     out, waits = decide_explained(snap(now, gpus(2), jobs(now - BOUND - 1)))
     assert out == []
-    assert waits["X"].code == "Reserved" and "n0 is reserved for job W" in waits["X"].text, waits["X"].text
+    assert waits["X"].code == "Reserved" and "kept for job W, which holds a reservation on n0" in waits["X"].text, waits["X"].text
     # Once L3's protection ends too, W pauses both.
     later = snap(now + 60, gpus(2), jobs(now - BOUND - 1))
     assert sorted(kinds(decide(later))) == [("Pause", "L1"), ("Pause", "L3")]

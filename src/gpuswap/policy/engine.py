@@ -217,10 +217,13 @@ class _Round:
         before = self.why.snapshot_pools(node) if self.why is not None else None
         missing = cl.reserve_for(w, node, need)
         cl.refresh()
-        if self.pre is not None:
-            self.pre.close(node)
+        # The holders there it would pause first (soonest unprotected) until its need is met are
+        # kept for it: nobody behind it pauses them. Others there may still be paused by them.
+        kept = [vid for _, n, vid in self._lapses(w, lw, node)[:self._enough(self._lapses(w, lw, node), missing)]]
+        if self.pre is not None and kept:
+            self.pre.close(node, set(kept))
         if self.why is not None:
-            self.why.promise(w, node, before, reservation=True)
+            self.why.promise(w, node, before, reservation=True, kept=kept)
             held = sorted(before - self.why.snapshot_pools(node))
             self.why.say(w, "Reserved", f"holds a reservation on {node}: waited {self.snap.now - w.phase_since:.0f} s, "
                          f"past the {after:.0f} s bound; "
@@ -239,19 +242,30 @@ class _Round:
         free, pending = self.cl.pools_for(w)
         have = len(free[node]) + len(pending[node])
         now = self.snap.now
+        if have >= need:
+            return (now, -have, node)
+        lapses = self._lapses(w, lw, node)
+        k = self._enough(lapses, need - have)
+        ready = max(lapses[k - 1][0], now) if k and sum(n for _, n, _ in lapses[:k]) >= need - have else float("inf")
+        return (ready, -(have + sum(n for _, n, _ in lapses)), node)
+
+    def _lapses(self, w: JobView, lw: Optional[tuple], node: str) -> list[tuple[float, int, str]]:
+        """The holders on `node` that `w` could pause, soonest unprotected first: (when, GPUs, id)."""
         if lw is None:
-            return (now if have >= need else float("inf"), -have, node)
+            return []
         gone = self.pre.gone if self.pre is not None else ()
-        lapses = sorted((t, n) for t, lv, n, vid in self._parkable_on().get(node, ())
-                        if lw < lv and vid not in gone)
-        ready, got = (now if have >= need else float("inf")), have
-        for t, n in lapses:
-            if got >= need:
-                break
+        return sorted((t, n, vid) for t, lv, n, vid in self._parkable_on().get(node, ())
+                      if lw < lv and vid not in gone)
+
+    @staticmethod
+    def _enough(lapses: list[tuple[float, int, str]], missing: int) -> int:
+        """How many of `lapses`, in order, free `missing` GPUs (all of them if they cannot)."""
+        got = 0
+        for k, (_, n, _) in enumerate(lapses):
+            if got >= missing:
+                return k
             got += n
-            if got >= need:
-                ready = max(t, now)
-        return (ready, -(have + sum(n for _, n in lapses)), node)
+        return len(lapses)
 
     def _parkable_on(self) -> dict[str, list[tuple[float, tuple, int, str]]]:
         """Per node, its running jobs that could be paused for someone: (when their protection

@@ -10,7 +10,7 @@ which runs out, is named after a preemption level, which does not). Nothing here
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from gpuswap.jobs import format_size
 from gpuswap.policy.cluster import ClusterState
@@ -30,6 +30,7 @@ class Explainer:
         self.promised: dict[int, str] = {}     # GPU -> waiting job it is reserved for this round
         self.reservations: dict[str, str] = {}  # node -> job holding a reservation on it (issue 15, item 2)
         self.reserved_gpus: set[int] = set()    # GPUs such a reservation holds
+        self.kept_for: dict[str, str] = {}      # running job -> the reservation it may be paused for only
         self.holders: dict[int, JobView] = {}
         for j in snap.jobs:
             if j.phase in (Phase.RUNNING, Phase.PAUSING, Phase.RESUMING) or j.holds_gpu_while_paused:
@@ -40,7 +41,8 @@ class Explainer:
     def snapshot_pools(self, node: str) -> set[int]:
         return set(self.cl.free.get(node, ())) | set(self.cl.pending.get(node, ()))
 
-    def promise(self, w: JobView, node: str, before: set[int], reservation: bool = False) -> None:
+    def promise(self, w: JobView, node: str, before: set[int], reservation: bool = False,
+                kept: Sequence[str] = ()) -> None:
         """GPUs that left node's free and pending pools for `w` (`reservation`: held for a job that
         waited past the bound, with the whole node closed to jobs behind it)."""
         for g in before - self.snapshot_pools(node):
@@ -49,6 +51,8 @@ class Explainer:
                 self.reserved_gpus.add(g)
         if reservation:
             self.reservations[node] = w.id
+            for vid in kept:
+                self.kept_for[vid] = w.id
 
     def say(self, w: JobView, code: str, text: str, **numbers: float) -> None:
         self.waits[w.id] = Wait(w.id, code, text, numbers)
@@ -139,10 +143,10 @@ class Explainer:
             return "Priority", self._level_text(w, v), {}
         if why is not None:
             return why
-        holder = self.reservations.get(node)
+        holder = self.kept_for.get(v.id)
         if holder is not None and holder != w.id:
-            return ("Reserved", f"not paused for it: {node} is reserved for job {holder}, which has waited "
-                    "too long", {})
+            return ("Reserved", f"not paused for it: kept for job {holder}, which holds a reservation on "
+                    f"{node}", {})
         cl = self.cl
         plan = park_plan(v, cl.ram_free[node], lambda: cl.spillable_on(node), snap.costs, snap.config)
         if plan is None:

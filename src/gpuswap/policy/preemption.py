@@ -251,10 +251,10 @@ class Preemption:
             self._top += 1                  # levels only go: the highest left is found by walking down
         self.max_level = self._gaps[-1 - self._top] if self._top < len(self._gaps) else None
 
-    def close(self, node: str) -> None:
-        """A reservation holds `node` for a job ahead in the order: nobody behind it pauses anyone
-        there this round, as if its victims were taken."""
-        left = [(v, None) for v, _ in self.pairs.get(node, ()) if v.id not in self.gone]
+    def close(self, node: str, ids: set[str]) -> None:
+        """A reservation on `node` keeps these holders for a job ahead in the order: nobody behind
+        it pauses them this round, as if they were taken."""
+        left = [(v, None) for v, _ in self.pairs.get(node, ()) if v.id in ids and v.id not in self.gone]
         if left:
             self.taken(node, left)
 
