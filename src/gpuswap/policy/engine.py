@@ -254,8 +254,7 @@ class _Round:
         if lw is None:
             return []
         gone = self.pre.gone if self.pre is not None else ()
-        return sorted((t, n, vid) for t, lv, n, vid in self._parkable_on().get(node, ())
-                      if lw < lv and vid not in gone)
+        return [(t, n, vid) for t, lv, n, vid in self._parkable_on().get(node, ()) if lw < lv and vid not in gone]
 
     @staticmethod
     def _enough(lapses: list[tuple[float, int, str]], missing: int) -> int:
@@ -269,14 +268,15 @@ class _Round:
 
     def _parkable_on(self) -> dict[str, list[tuple[float, tuple, int, str]]]:
         """Per node, its running jobs that could be paused for someone: (when their protection
-        ends, level, GPUs, id). Built once per round, on the first reservation."""
+        ends, level, GPUs, id), soonest first. Built once per round, on the first reservation."""
         if self._parkable is None:
             self._parkable = {}
             snap, spec, ctx, cl = self.snap, self.spec, self.ctx, self.cl
             jobs = [v for v in cl.running if v.preemptible and v.tiers]
             levels = spec.running_levels(jobs, ctx) if spec.running_levels else [spec.level(v, ctx) for v in jobs]
+            unprotected = {v.id for v in self.pre.eligible_jobs} if self.pre is not None else set()
             for v, lv in zip(jobs, levels):
-                why = protection(v, snap)
+                why = None if v.id in unprotected else protection(v, snap)
                 if why is None:
                     t = snap.now
                 elif "seconds_left" in why[2]:
@@ -284,6 +284,8 @@ class _Round:
                 else:
                     continue
                 self._parkable.setdefault(cl.job_node(v), []).append((t, lv, len(v.assigned), v.id))
+            for held in self._parkable.values():
+                held.sort(key=lambda e: (e[0], e[3]))
         return self._parkable
 
     def _serve_pinned(self, w: JobView, key: tuple) -> None:

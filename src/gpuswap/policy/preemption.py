@@ -251,6 +251,11 @@ class Preemption:
             self._top += 1                  # levels only go: the highest left is found by walking down
         self.max_level = self._gaps[-1 - self._top] if self._top < len(self._gaps) else None
 
+    @property
+    def eligible_jobs(self) -> list[JobView]:
+        """The running jobs past their protection (`victims.eligible`), this round."""
+        return self._eligible[0]
+
     def close(self, node: str, ids: set[str]) -> None:
         """A reservation on `node` keeps these holders for a job ahead in the order: nobody behind
         it pauses them this round, as if they were taken."""
