@@ -317,8 +317,8 @@ def load(flags: Mapping[str, Any], file_values: Mapping[str, Any], path: Optiona
     for key, raw in file_values.items():
         if key not in by_key:
             near = difflib.get_close_matches(key.replace("_", "-"), by_key, n=1)
-            hint = (f"; did you mean {near[0]!r}?" if near else
-                    "; settings are keys at the top of the file, not in a table" if isinstance(raw, dict) else
+            hint = ("; settings are keys at the top of the file, not in a table" if isinstance(raw, dict) else
+                    f"; did you mean {near[0]!r}?" if near else
                     f"; the keys are: {', '.join(by_key)}")
             raise SettingsError(f"{path}: unknown key {key!r}{hint}")
         name, spec = by_key[key]
