@@ -201,3 +201,28 @@ def test_decide_and_decide_explained_agree_with_reservations():
         shuffled = list(jobs)
         rng.shuffle(shuffled)
         assert decide(replace(s, jobs=tuple(shuffled))) == out, trial
+
+
+def test_nothing_changes_while_no_job_has_waited_past_the_bound():
+    """The same random snapshots as above, every job in its phase for less than the bound: the
+    decisions (and reasons) are those of the engine without reservations."""
+    rng = random.Random(16)
+    for trial in range(200):
+        g = gpus(rng.choice([2, 4]), nodes=rng.choice([1, 2]))
+        free = [x.id for x in g]
+        rng.shuffle(free)
+        jobs = []
+        for i in range(rng.randint(2, 9)):
+            want = rng.choice([1, 2, 2, 4])
+            prio = rng.choice([LOW, NORMAL, Priority.HIGH])
+            if rng.random() < 0.5 and len(free) >= want:
+                taken, free = tuple(free[:want]), free[want:]
+                jobs.append(job(str(i), Phase.RUNNING, prio=prio, gpus=1, assigned=taken[:1],
+                                since=rng.uniform(0, 590), attained=rng.uniform(0, 1e5)))
+                free = list(taken[1:]) + free
+            else:
+                jobs.append(job(str(i), prio=prio, gpus=want, submit=rng.uniform(1, 590), since=rng.uniform(1, 590)))
+        s = snap(600, g, jobs, config=PolicyConfig(min_runtime_s=rng.choice([0, 60]), reserve_after_s=600.0))
+        off = replace(s, config=replace(s.config, reserve_after_s=None))
+        assert decide(s) == decide(off), trial
+        assert decide_explained(s) == decide_explained(off), trial
