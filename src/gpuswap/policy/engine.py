@@ -74,6 +74,9 @@ class _Round:
         self.reserved: dict[str, str] = {}         # node -> the waiting job holding its reservation
         self._parkable: Optional[dict[str, list[tuple[float, tuple, int, str]]]] = None
         self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
+        self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
+        self._last_touch: dict[str, int] = {}
+        self._seen = 0
 
     def run(self) -> list[Decision]:
         queue = _queue(self.cl.waiting, self.spec, self.ctx)
@@ -212,7 +215,7 @@ class _Round:
         nodes = [n for n in cl.candidate_nodes(w) if n not in self.reserved and self._capacity.get(n, 0) >= need]
         if not nodes:
             return False
-        node = min(nodes, key=lambda n: self._readiness(w, lw, n, need))
+        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need))
         self.reserved[node] = w.id
         before = self.why.snapshot_pools(node) if self.why is not None else None
         missing = cl.reserve_for(w, node, need)
@@ -232,6 +235,25 @@ class _Round:
                          f"(no job behind it may start or preempt into them)",
                          waited_s=self.snap.now - w.phase_since, gpus_held=len(held), gpus_missing=missing)
         return True
+
+    def _ready_memo(self, w: JobView, lw: Optional[tuple], node: str, need: int) -> tuple:
+        """`_readiness`, kept per node for jobs of the same level and width until the round changes
+        that node (`ClusterState.touched`): with many nodes and many starving wide jobs, each
+        reservation would otherwise estimate every node again."""
+        cl = self.cl
+        if cl.residue:                      # the GPUs w fits on depend on w itself
+            return self._readiness(w, lw, node, need)
+        touched = cl.touched
+        for k in range(self._seen, len(touched)):
+            self._last_touch[touched[k]] = k
+        self._seen = len(touched)
+        key = (node, lw, need)
+        hit = self._ready.get(key)
+        if hit is not None and hit[1] > self._last_touch.get(node, -1):
+            return hit[0]
+        value = self._readiness(w, lw, node, need)
+        self._ready[key] = (value, len(touched))
+        return value
 
     def _readiness(self, w: JobView, lw: Optional[tuple], node: str, need: int) -> tuple:
         """How soon `node` could give `w` its GPUs, from what a live policy knows (running jobs'
