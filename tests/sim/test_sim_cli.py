@@ -31,6 +31,8 @@ def test_register_sets_run():
     (["--trace", "{good}", "--protect-multiple", "nan"], "--protect-multiple must be"),
     (["--trace", "{good}", "--protect-cap", "-5"], "--protect-cap must be a number of seconds >= 0, got -5.0"),
     (["--trace", "{good}", "--protect-cap", "inf"], "--protect-cap must be"),
+    (["--trace", "{good}", "--reserve-after", "-5"], "--reserve-after must be a number of seconds >= 0 or 'never'"),
+    (["--trace", "{good}", "--reserve-after", "inf"], "--reserve-after must be"),
     (["--trace", "{good}", "--tick", "0"], "--tick must be a number of seconds > 0"),
     (["--trace", "{good}", "--tick", "nan"], "--tick must be"),
     (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
@@ -76,6 +78,26 @@ def test_python_m_gpuswap_sim_exits_64_on_a_bad_option(tmp_path):
         p = subprocess.run([sys.executable, "-m", "gpuswap.sim", "--trace", str(trace), *bad],
                            capture_output=True, text=True)
         assert (p.returncode, p.stderr.strip(), p.stdout) == (64, message, "")
+
+
+def test_reserve_after_reaches_the_policy_and_the_summary(tmp_path, capsys):
+    """`--reserve-after`: recorded in summary.json with the wide jobs' figures; `abc` is refused
+    with exit 64 like any bad option."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus\n0,10,1\n1,20,2\n")
+    for value, recorded in (("never", None), ("90", 90.0)):
+        out = tmp_path / value
+        assert cli.run(parse(["--trace", str(trace), "--nodes", "1", "--gpus-per-node", "2",
+                              "--reserve-after", value, "--out", str(out)])) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["_meta"]["reserve_after_s"] == recorded
+        assert summary["gpuswap"]["wide"]["jobs"] == 1
+    p = subprocess.run([sys.executable, "-m", "gpuswap.sim", "--trace", str(trace), "--reserve-after", "abc"],
+                       capture_output=True, text=True)
+    assert p.returncode == 64 and "--reserve-after" in p.stderr and p.stdout == "", p.stderr
 
 
 def test_compare_writes_summary_and_plots(tmp_path, capsys):

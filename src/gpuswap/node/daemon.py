@@ -153,7 +153,8 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
                                                          protect_multiple=opts.protect_multiple,
                                                          protect_cap_s=opts.protect_cap_s,
-                                                         max_switch_fraction=opts.max_switch_fraction))
+                                                         max_switch_fraction=opts.max_switch_fraction,
+                                                         reserve_after_s=opts.reserve_after_s))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None

@@ -221,6 +221,11 @@ class ServerSettings:
         _POLICY.max_switch_fraction, "max-switch-fraction",
         "anti-thrashing: never preempt a job if pausing and resuming it would make switching more than "
         "this fraction of its life", _number, unit="FRACTION")
+    reserve_after_s: Optional[float] = _setting(
+        _POLICY.reserve_after_s, "reserve-after",
+        "a job that has waited this long gets a reservation on the node that can free its GPUs soonest: "
+        'no job behind it may start or preempt into them (gpuswap policy; e.g. 10m, 600, or "never")',
+        _duration, unit="DURATION", default_text="10m", show=_toml_duration)
     pause_timeout_s: float = _setting(
         60.0, "pause-timeout", "how long to wait for a safepoint before falling back", _number, unit="SECONDS")
     no_runtime: str = _setting(
@@ -323,8 +328,8 @@ def load(flags: Mapping[str, Any], file_values: Mapping[str, Any], path: Optiona
     for key, raw in file_values.items():
         if key not in by_key:
             near = difflib.get_close_matches(key.replace("_", "-"), by_key, n=1)
-            hint = (f"; did you mean {near[0]!r}?" if near else
-                    "; settings are keys at the top of the file, not in a table" if isinstance(raw, dict) else
+            hint = ("; settings are keys at the top of the file, not in a table" if isinstance(raw, dict) else
+                    f"; did you mean {near[0]!r}?" if near else
                     f"; the keys are: {', '.join(by_key)}")
             raise SettingsError(f"{path}: unknown key {key!r}{hint}")
         name, spec = by_key[key]

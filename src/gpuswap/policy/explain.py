@@ -11,7 +11,7 @@ here changes the round.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from gpuswap.jobs import format_size
 from gpuswap.policy.cluster import ClusterState
@@ -29,6 +29,9 @@ class Explainer:
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
         self.waits: dict[str, Wait] = {}
         self.promised: dict[int, str] = {}     # GPU -> waiting job it is reserved for this round
+        self.reservations: dict[str, str] = {}  # node -> job holding a reservation on it (issue 15, item 2)
+        self.reserved_gpus: set[int] = set()    # GPUs such a reservation holds
+        self.kept_for: dict[str, str] = {}      # running job -> the reservation it may be paused for only
         self.holders: dict[int, JobView] = {}
         for j in snap.jobs:
             if j.phase in (Phase.RUNNING, Phase.PAUSING, Phase.RESUMING) or j.holds_gpu_while_paused:
@@ -39,10 +42,18 @@ class Explainer:
     def snapshot_pools(self, node: str) -> set[int]:
         return set(self.cl.free.get(node, ())) | set(self.cl.pending.get(node, ()))
 
-    def promise(self, w: JobView, node: str, before: set[int]) -> None:
-        """GPUs that left node's free and pending pools for `w` (a reservation)."""
+    def promise(self, w: JobView, node: str, before: set[int], reservation: bool = False,
+                kept: Sequence[str] = ()) -> None:
+        """GPUs that left node's free and pending pools for `w` (`reservation`: held for a job that
+        waited past the bound, with the whole node closed to jobs behind it)."""
         for g in before - self.snapshot_pools(node):
             self.promised[g] = w.id
+            if reservation:
+                self.reserved_gpus.add(g)
+        if reservation:
+            self.reservations[node] = w.id
+            for vid in kept:
+                self.kept_for[vid] = w.id
 
     def say(self, w: JobView, code: str, text: str, **numbers: float) -> None:
         self.waits[w.id] = Wait(w.id, code, text, numbers)
@@ -84,6 +95,8 @@ class Explainer:
                             numbers) if holders else None
             elif g in given:
                 desc, b = f"given to job {given[g]} this round", None
+            elif g in self.reserved_gpus:
+                desc, b = f"reserved for job {self.promised[g]}, which has waited too long", None
             elif g in self.promised:
                 desc, b = f"promised to job {self.promised[g]}, ahead in the queue", None
             elif holder is None:
@@ -102,9 +115,9 @@ class Explainer:
         head = lead or (f"waiting for {need} GPU{'s' if need != 1 else ''}{where}"
                         + (f" ({len(free)} free)" if free else ""))
         text = head + ": " + "; ".join(f"GPU {','.join(map(str, gs))} {d}" for d, gs in parts) if parts else head
-        code = blockers[0].code if blockers else ("Residue" if kept else "Priority"
-                                                  if any(g in self.promised or g in given for g in wanted)
-                                                  else "Resources")
+        code = ("Reserved" if any(g in self.reserved_gpus for g in wanted)    # the one reason it waits there
+                else blockers[0].code if blockers else "Residue" if kept else "Priority"
+                if any(g in self.promised or g in given for g in wanted) else "Resources")
         self.waits[w.id] = Wait(w.id, code, text, {"gpus_needed": need, "gpus_free": len(free)}, tuple(blockers))
 
     def _holder(self, w: JobView, lw: Optional[tuple], v: JobView, node: str,
@@ -131,6 +144,10 @@ class Explainer:
             return "Priority", self._level_text(w, v), {}
         if why is not None:
             return why
+        holder = self.kept_for.get(v.id)
+        if holder is not None and holder != w.id:
+            return ("Reserved", f"not paused for it: kept for job {holder}, which holds a reservation on "
+                    f"{node}", {})
         cl = self.cl
         plan = park_plan(v, cl.ram_free[node], lambda: cl.spillable_on(node), snap.costs, snap.config)
         if plan is None:

@@ -251,6 +251,18 @@ class Preemption:
             self._top += 1                  # levels only go: the highest left is found by walking down
         self.max_level = self._gaps[-1 - self._top] if self._top < len(self._gaps) else None
 
+    @property
+    def eligible_jobs(self) -> list[JobView]:
+        """The running jobs past their protection (`victims.eligible`), this round."""
+        return self._eligible[0]
+
+    def close(self, node: str, ids: set[str]) -> None:
+        """A reservation on `node` keeps these holders for a job ahead in the order: nobody behind
+        it pauses them this round, as if they were taken."""
+        left = [(v, None) for v, _ in self.pairs.get(node, ()) if v.id in ids and v.id not in self.gone]
+        if left:
+            self.taken(node, left)
+
     def _rescore(self, group: _Group, node: str, gone: set[str]) -> None:
         """`node`'s RAM room changed: score its victims in `group` again. Taken victims stay in
         the ranked list (skipped where it is read) unless a key moved and the group is re-sorted."""

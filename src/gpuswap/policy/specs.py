@@ -55,6 +55,10 @@ class Spec:
     # without ordering the queue and stopping at the first that is. When it holds on a full cluster,
     # nobody can be served and the round is skipped: with a deep queue most calls are such.
     none_below: Optional[Callable[[Sequence[JobView], Ctx, Key], bool]] = None
+    # Reservations for jobs that waited past config.reserve_after_s (issue 15, item 2; engine.py).
+    # gpuswap only: the other policies reproduce published schemes (Tiresias, Gandiva, FIFO with
+    # backfill) that do not reserve, and their tables are compared with those schemes' own.
+    reserves: bool = False
 
 
 def label(priority: int) -> str:
@@ -365,5 +369,6 @@ SPECS: dict[str, Spec] = {
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                     benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
                     level_prefix=2, orders=_gs_orders, none_below=_gs_none_below,
-                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True)),
+                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True),
+                    reserves=True),
 }

@@ -44,7 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost, between --min-runtime and --protect-cap (0: --min-runtime for every job)")
     p.add_argument("--protect-cap", type=float, default=PolicyConfig().protect_cap_s, metavar="SECONDS",
                    help="the longest protection after a start or resume (a higher --min-runtime wins)")
+    p.add_argument("--reserve-after", type=_seconds_or_never, default=PolicyConfig().reserve_after_s,
+                   metavar="SECONDS|never",
+                   help="a job that waited this long gets a reservation on the node that can free its "
+                        "GPUs soonest (gpuswap policy; docs/policies.md); never: no reservations")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
+
+
+def _seconds_or_never(text: str) -> Optional[float]:
+    """A number of seconds, or "never" (None). Range is checked in `_bad_option`."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds or 'never', got {text!r}") from None
 
 
 def register(subparsers: Any) -> None:
@@ -83,6 +97,9 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
     cap = getattr(args, "protect_cap", PolicyConfig().protect_cap_s)
     if not (finite(cap) and cap >= 0):
         return f"--protect-cap must be a number of seconds >= 0, got {cap}"
+    reserve = getattr(args, "reserve_after", PolicyConfig().reserve_after_s)
+    if reserve is not None and not (finite(reserve) and reserve >= 0):
+        return f"--reserve-after must be a number of seconds >= 0 or 'never', got {reserve}"
     if args.limit is not None and args.limit < 1:
         return f"--limit must be >= 1, got {args.limit}"
     return None
@@ -122,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
     config = PolicyConfig(min_runtime_s=args.min_runtime,
                           protect_multiple=getattr(args, "protect_multiple", PolicyConfig().protect_multiple),
-                          protect_cap_s=getattr(args, "protect_cap", PolicyConfig().protect_cap_s))
+                          protect_cap_s=getattr(args, "protect_cap", PolicyConfig().protect_cap_s),
+                          reserve_after_s=getattr(args, "reserve_after", PolicyConfig().reserve_after_s))
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
 
@@ -160,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 "ram_per_node": ram, "switch_cost": model.name, "seed": args.seed,
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
                 "min_runtime_s": config.min_runtime_s, "protect_multiple": config.protect_multiple,
-                "protect_cap_s": config.protect_cap_s,
+                "protect_cap_s": config.protect_cap_s, "reserve_after_s": config.reserve_after_s,
                 "multi_rank": "cooperative" if multi_rank else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")

@@ -36,6 +36,7 @@ def arrays(r: SimResult) -> dict[str, np.ndarray]:
         "jct": np.array([j.end for j in r.jobs]) - submit,
         "queue": np.array([j.first_start for j in r.jobs]) - submit,
         "prio": np.array([j.spec.priority for j in r.jobs]),
+        "gpus": np.array([j.spec.gpus for j in r.jobs]),
         "duration": np.array([j.spec.duration for j in r.jobs]),
         "preemptions": np.array([j.preemptions for j in r.jobs]),
     }
@@ -64,6 +65,9 @@ def summarize(r: SimResult) -> dict[str, Any]:
         Priority(p).label: _stats(a["jct"][a["prio"] == p], a["queue"][a["prio"] == p])
         for p in sorted(set(a["prio"].tolist()), reverse=True)
     }
+    wide = a["gpus"] >= 2                   # the jobs reservations are for (issue 15, item 2)
+    out["wide"] = _stats(a["jct"][wide], a["queue"][wide]) | {"p90_queue_s": _pct(a["queue"][wide], 90),
+                                                              "jobs": int(wide.sum())}
     out["decide_calls"] = r.decide_calls
     out["events"] = r.events
     out["max_waiting"] = r.max_waiting
