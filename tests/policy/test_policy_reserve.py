@@ -14,9 +14,9 @@ LOW, NORMAL = Priority.LOW, Priority.NORMAL
 BOUND = PolicyConfig().reserve_after_s
 
 
-def _issue_case(waited: float, l1_ran: float = 10.0, now: float = 10_000.0):
+def _issue_case(waited: float, l1_ran: float = 2.0, now: float = 10_000.0):
     """The issue's case on one node of 2 GPUs: a 2-GPU normal job (W) waits; GPU 1 is held by a
-    low job started `l1_ran` s ago (protected for its minimum runtime while < 60 s); GPU 0 is
+    low job started `l1_ran` s ago (protected while younger than the 5 s floor of its protection); GPU 0 is
     free; a later 1-GPU low job (L2) waits behind W."""
     l1 = job("L1", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - l1_ran, since=now - l1_ran)
     w = job("W", prio=NORMAL, gpus=2, submit=now - waited, since=now - waited)
@@ -26,9 +26,9 @@ def _issue_case(waited: float, l1_ran: float = 10.0, now: float = 10_000.0):
 
 @pytest.mark.parametrize("waited, l1_ran, expected", [
     # Before the bound: backfill with no reservation -- L2 takes the GPU W needs (the starvation).
-    (BOUND - 1, 10.0, [("Start", "L2")]),
+    (BOUND - 1, 2.0, [("Start", "L2")]),
     # Past the bound: GPU 0 is held for W, L2 waits; L1 is still protected, so nothing moves.
-    (BOUND + 1, 10.0, []),
+    (BOUND + 1, 2.0, []),
     # Past the bound, L1's protection over: W pauses L1 (same rules as any preemption) and L2 waits.
     (BOUND + 1, 100.0, [("Pause", "L1")]),
 ])
@@ -62,7 +62,7 @@ def test_backfill_that_does_not_delay_it_still_runs():
     """Two nodes with one free GPU each: n0's other GPU is a low job W may pause once protected no
     more; n1's is a normal job it may never pause. W reserves n0 (sooner); L2 backfills on n1."""
     now = 10_000.0
-    jobs = [job("L1", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 10, since=now - 10),
+    jobs = [job("L1", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 2, since=now - 2),
             job("N1", Phase.RUNNING, prio=NORMAL, assigned=(3,), submit=0, since=0),
             job("W", prio=NORMAL, gpus=2, submit=now - BOUND - 1, since=now - BOUND - 1),
             job("L2", prio=LOW, submit=now - 1, since=now - 1)]
@@ -81,7 +81,7 @@ def test_jobs_behind_it_do_not_preempt_on_the_reserved_node():
 
     def jobs(w_since):
         return [job("L1", Phase.RUNNING, prio=LOW, assigned=(0,), submit=0, since=now - 100),
-                job("L3", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 10, since=now - 10),
+                job("L3", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 2, since=now - 2),
                 job("W", prio=NORMAL, gpus=2, submit=w_since, since=w_since),
                 job("X", prio=NORMAL, submit=now - 1, since=now - 1)]
     assert kinds(decide(snap(now, gpus(2), jobs(now - 5)))) == [("Pause", "L1")]     # for X
@@ -106,8 +106,8 @@ def test_one_reservation_per_node_and_ties_by_node_name():
     name), the second n1; a narrow job behind both gets nothing; the answer does not depend on the
     order jobs come in the snapshot."""
     now = 10_000.0
-    jobs = [job("A", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 10, since=now - 10),
-            job("B", Phase.RUNNING, prio=LOW, assigned=(3,), submit=now - 10, since=now - 10),
+    jobs = [job("A", Phase.RUNNING, prio=LOW, assigned=(1,), submit=now - 2, since=now - 2),
+            job("B", Phase.RUNNING, prio=LOW, assigned=(3,), submit=now - 2, since=now - 2),
             job("W1", prio=NORMAL, gpus=2, submit=now - 2000, since=now - 2000),
             job("W2", prio=NORMAL, gpus=2, submit=now - 1900, since=now - 1900),
             job("L", prio=LOW, submit=now - 1, since=now - 1)]
@@ -131,7 +131,10 @@ def test_other_policies_do_not_reserve(policy):
 
 def test_the_wide_job_gets_its_gpus_over_a_stream_of_narrow_jobs():
     """Steps of the issue's scenario: every 40 s a 1-GPU low job ends and a new one arrives. With
-    reservations W runs once it has waited past the bound; without, never within the hour."""
+    reservations W runs once it has waited past the bound; without, never within the hour. Each low
+    job is protected a fixed 60 s (the rule before cost-aware protection, `protect_multiple=0`), so W
+    can never pause one: the narrow jobs keep taking the GPU that frees."""
+    fixed = dict(min_runtime_s=60.0, protect_multiple=0.0)
     def run(config):
         now, running, n = 0.0, {0: ("La", -20.0), 1: ("Lb", 0.0)}, 0
         w = job("W", prio=NORMAL, gpus=2, submit=0, since=0)
@@ -153,8 +156,8 @@ def test_the_wide_job_gets_its_gpus_over_a_stream_of_narrow_jobs():
                     running = {g: v for g, v in running.items() if v[0] != d.job_id}
         return None
 
-    assert run(PolicyConfig(reserve_after_s=None)) is None
-    started = run(PolicyConfig())
+    assert run(PolicyConfig(reserve_after_s=None, **fixed)) is None
+    started = run(PolicyConfig(**fixed))
     assert started is not None and BOUND <= started <= BOUND + 200
 
 
