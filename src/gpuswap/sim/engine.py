@@ -83,6 +83,7 @@ class SimResult:
     max_waiting: int
     usage: dict[str, float] = field(default_factory=dict)
     multi_rank: bool = True
+    class_usage: dict[tuple[str, int], float] = field(default_factory=dict)   # policy/classes.py
 
 
 class _RunningView(JobView):
@@ -385,7 +386,7 @@ class Simulator:
         makespan = max(j.end for j in self.jobs) - min(j.spec.submit for j in self.jobs)
         return SimResult(self.policy, self.model.name, self.cluster, self.jobs, makespan, self.busy,
                          self.switch_gpu_s, self.calls, self.events, self.max_waiting, self.usage,
-                         self.multi_rank)
+                         self.multi_rank, self.class_usage)
 
 
 def simulate(jobs: list[TraceJob], policy: str, **kw) -> SimResult:
