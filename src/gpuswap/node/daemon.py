@@ -151,7 +151,10 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s, no_runtime=opts.no_runtime,
                               ram_budget=opts.ram_budget or default_ram_budget(),
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
-                                                         max_switch_fraction=opts.max_switch_fraction))
+                                                         max_switch_fraction=opts.max_switch_fraction,
+                                                         class_budget_gpu_h=opts.class_budget_gpu_h,
+                                                         class_half_life_s=opts.class_half_life_s,
+                                                         class_floor_share=opts.class_floor_share))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None

@@ -227,11 +227,18 @@ def _event_kinds(db: sqlite3.Connection) -> None:
                "OR (kind IS NULL AND state='PAUSING'))")
 
 
+# -- version 3: each user's decayed GPU-time per class, for the class budgets (issue 15 item 5) --
+def _class_usage(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE IF NOT EXISTS class_usage (user TEXT NOT NULL, priority INTEGER NOT NULL, "
+               "gpu_s REAL NOT NULL, updated REAL NOT NULL, PRIMARY KEY (user, priority))")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
     Step(1, "the gpuswap 0.1.0 layout (and any earlier database brought up to it)", _baseline),
     Step(2, "events gain kind, tier and mechanism (old rows' inferred from their wording)", _event_kinds),
+    Step(3, "class_usage: each user's decayed GPU-time in the urgent and high classes", _class_usage),
 )
 LATEST = STEPS[-1].version
 
