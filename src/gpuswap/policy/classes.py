@@ -36,8 +36,10 @@ classes, as before. Only the `gpuswap` policy applies them; `priority` stays the
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from heapq import heapify, heappop
+from typing import Callable, Mapping, Optional, Sequence
 
 from gpuswap.jobs import Priority
 from gpuswap.policy.model import JobView, Phase, Snapshot
@@ -105,58 +107,83 @@ def floor_gpus(snap: Snapshot) -> int:
     return math.floor(share * healthy + 1e-9)
 
 
-def limits(snap: Snapshot, key: Callable[[JobView], tuple]) -> Limits:
-    """The budget demotions and floors of `snap`. `key`: the policy's order within a class (lower
-    is more deserving), which picks the holders a floor protects and the waiting jobs it lifts."""
+def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> Limits:
+    """The budget demotions and floors of `snap`. `keys`: the policy's order within a class of
+    many jobs (lower is more deserving), which picks the holders a floor protects and the waiting
+    jobs it lifts. Runs on every decision: one pass over the jobs, and the order of a class's
+    waiting jobs only when the class is under its floor, taken from a heap as far as needed."""
     cfg = snap.config
     base: dict[str, int] = {}
     head: set[str] = set()
-    budgeted = cfg.class_budget_gpu_h != math.inf
-    if budgeted:
-        usage = snap.class_usage
+    if cfg.class_budget_gpu_h != math.inf:
+        usage, budget = snap.class_usage, budget_gpu_s(cfg)
         for j in snap.jobs:
             if j.priority in BUDGETED:
-                if over_budget(j.user, j.priority, usage, cfg):
+                if usage.get((j.user, j.priority), 0.0) > budget:
                     base[j.id] = j.priority - 1
                 else:
                     head.add(j.id)
     floor = floor_gpus(snap)
     if floor <= 0:
         return Limits(base, head=frozenset(head)) if base else NONE
-    holders: dict[int, list[JobView]] = {}
-    waiting: dict[int, list[JobView]] = {}
-    top = None
-    for j in snap.jobs:
-        if j.phase is Phase.PAUSING or j.id in head:
-            continue                        # leaving its GPUs; outside the floors
-        c = base.get(j.id, j.priority)
-        if j.phase in _HOLDING or j.holds_gpu_while_paused:
-            holders.setdefault(c, []).append(j)
-        elif j.phase in _WAITING:
-            waiting.setdefault(c, []).append(j)
-        else:
-            continue
-        top = c if top is None or c > top else top
+    if not base:                            # the usual case, told cheaply: one class outside the head
+        free_classes = {j.priority for j in snap.jobs}     # start, nothing to hold a floor against
+        if len(free_classes.difference(BUDGETED) if head else free_classes) < 2:
+            return NONE
+    holders: dict[int, list[JobView]] = defaultdict(list)
+    waiting: dict[int, list[JobView]] = defaultdict(list)
+    holding, queued = _HOLDING, _WAITING
+    jobs = [j for j in snap.jobs if j.id not in head] if head else snap.jobs   # outside the floors
+    if base:
+        for j in jobs:
+            phase = j.phase
+            if phase in holding or j.holds_gpu_while_paused:
+                holders[base.get(j.id, j.priority)].append(j)
+            elif phase in queued:
+                waiting[base.get(j.id, j.priority)].append(j)
+    else:                                   # written twice: this pass runs on every decision
+        for j in jobs:
+            phase = j.phase
+            if phase in holding or j.holds_gpu_while_paused:
+                holders[j.priority].append(j)
+            elif phase in queued:           # (a PAUSING job is leaving its GPUs: in neither)
+                waiting[j.priority].append(j)
+    held_by = {c: sum(j.gpus for j in mine) for c, mine in holders.items()}
+    present = set(holders) | set(waiting)
+    if len(present) < 2:
+        return Limits(base, head=frozenset(head)) if base else NONE
+    top = max(present)                      # the highest class present needs no floor
     protected: list[str] = []
     lifted: list[str] = []
-    for c in set(holders) | set(waiting):
-        if c >= top:
-            continue                        # the highest class present needs no floor
+    for c in present:
+        if c == top:
+            continue
         held = 0                            # a job counts in while its class holds less than the
-        for j in sorted(holders.get(c, ()), key=key):    # floor before it: a wide job too
-            if held >= floor:
-                break
-            held += j.gpus
-            protected.append(j.id)
-        if held < floor and waiting.get(c):
-            for j in sorted(waiting[c], key=key):
+        if held_by.get(c, 0) <= floor:      # floor before it: a wide job too
+            protected += [j.id for j in holders.get(c, ())]
+            held = held_by.get(c, 0)
+        else:
+            mine = holders[c]
+            for _, j in sorted(zip(keys(mine), mine), key=_first):
                 if held >= floor:
                     break
+                held += j.gpus
+                protected.append(j.id)
+        if held < floor and c in waiting:
+            mine = waiting[c]
+            heap = list(zip(keys(mine), range(len(mine))))
+            heapify(heap)
+            while heap and held < floor:
+                j = mine[heappop(heap)[1]]
                 held += j.gpus
                 lifted.append(j.id)
     if not (base or protected or lifted):
         return NONE
     return Limits(base, frozenset(lifted), frozenset(protected), floor, frozenset(head))
+
+
+def _first(pair: tuple) -> tuple:
+    return pair[0]
 
 
 def floor_refusal(w: JobView, v: JobView, lim: Limits) -> Optional[str]:

@@ -67,7 +67,7 @@ def make_ctx(snap: Snapshot, spec: Spec) -> Ctx:
     ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
     if not spec.class_limits:
         return ctx
-    lim = classes.limits(snap, lambda j: _gs_order(j, ctx)[1:])
+    lim = classes.limits(snap, lambda jobs: [k[1:] for k in _gs_orders(jobs, ctx)])
     return ctx if lim is classes.NONE else Ctx(snap.now, snap.config, snap.costs, snap.usage, lim)
 
 
