@@ -25,3 +25,13 @@ def test_an_urgent_job_over_its_users_budget_is_preempted_by_a_high_one(make_dae
     gate.open()
     d.state(urgent, "COMPLETED", timeout=120)
     assert json.loads((home / "u.json").read_text())["sha256"] == reference_hashes(steps)
+
+
+def test_class_usage_survives_a_restart_and_what_decayed_away_stays_away(tmp_path):
+    from gpuswap.node.store import Store
+
+    store = Store(tmp_path / "state.db")
+    assert store.load_class_usage() == {}
+    store.save_class_usage({("ann", 3): 7200.0, ("bob", 2): 60.0}, 1000.0)
+    store.save_class_usage({("ann", 3): 3600.0}, 2000.0)        # bob's usage decayed to nothing
+    assert Store(tmp_path / "state.db").load_class_usage() == {("ann", 3): 3600.0}
