@@ -187,6 +187,33 @@ def test_a_file_others_may_write_is_refused(tmp_path):
         settings._check_owner(conf, os.stat_result((0o100644, 0, 0, 1, os.geteuid() + 1, 0, 0, 0, 0, 0)))
 
 
+def test_class_limits_reach_the_policy_from_flags_and_file(tmp_path):
+    """Issue 15 item 5: the class budget, its half-life and the floor share, from a flag or the
+    file, read back as TOML (no budget: `inf`), and refused with one line when out of range."""
+    import math
+
+    from gpuswap.policy.model import PolicyConfig
+
+    d = ServerSettings()
+    assert (d.class_budget_gpu_h, d.class_half_life_s, d.class_floor_share) == (
+        PolicyConfig().class_budget_gpu_h, PolicyConfig().class_half_life_s, PolicyConfig().class_floor_share)
+    s = load({"class_budget_gpu_h": "none", "class_floor_share": "0.5"}, {"class-half-life": 3600})
+    assert (s.class_budget_gpu_h, s.class_floor_share, s.class_half_life_s) == (math.inf, 0.5, 3600.0)
+    assert load({}, {"class-budget": 50}).class_budget_gpu_h == 50.0
+    conf = write(tmp_path / "g.toml", "class-budget = 24.5\nclass-floor = 0\n")
+    got = effective(server("--config", str(conf), "--class-budget", "none", "--print-config", home=tmp_path / "h"))
+    assert (got["class-budget"], got["class-floor"]) == (math.inf, 0.0)
+    again = effective(server("--config", str(write(tmp_path / "r.toml", "class-budget = inf\n")),
+                             "--print-config", home=tmp_path / "h"))
+    assert again["class-budget"] == math.inf
+    for flags, says in ((("--class-floor", "1"), "--class-floor '1' must be a share of the GPUs below 1"),
+                        (("--class-budget", "-3"), "--class-budget '-3' must be a number of GPU-hours >= 0"),
+                        (("--class-budget", "lots"), "--class-budget 'lots' is not a number of GPU-hours"),
+                        (("--class-half-life", "0"), "--class-half-life '0' must be > 0")):
+        r = server(*flags, "--print-config", home=tmp_path / "h")
+        assert r.returncode == 64 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_flag_errors_name_the_flag():
     with pytest.raises(SettingsError, match=r"^--min-runtime '-1' must be a finite number >= 0$"):
         load({"min_runtime_s": "-1"}, {})

@@ -39,6 +39,10 @@ def test_register_sets_run():
     (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
     (["--trace", "{good}", "--multi-rank", "all"], "unknown --multi-rank 'all'; use cooperative or none"),
     (["--trace", "{labels}"], "unknown class label(s) 'batch' (2 rows)"),
+    (["--trace", "{good}", "--class-budget", "-1"], "--class-budget must be a number of GPU-hours >= 0"),
+    (["--trace", "{good}", "--class-floor", "1"], "--class-floor must be a share between 0 and 1"),
+    (["--trace", "{good}", "--class-floor", "nan"], "--class-floor must be"),
+    (["--trace", "{good}", "--class-half-life", "0"], "--class-half-life must be a number of seconds > 0"),
 ])
 def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")

@@ -28,6 +28,7 @@ from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transition import Applier
 from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
+from gpuswap.policy.classes import class_gpu_s
 from gpuswap.protocol.rundir import Desired
 
 log = logging.getLogger("gpuswap.controller")
@@ -59,6 +60,7 @@ class Controller:
         self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
         self.applier = Applier(store, bandwidths, launcher.ckpt_dir)
         self.usage = store.load_usage()
+        self.class_usage = store.load_class_usage()     # for the class budgets (policy/classes.py)
         self._wake = threading.Event()
         self.changed = threading.Condition()
         self._last_tick: Optional[float] = None
@@ -111,7 +113,7 @@ class Controller:
         views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
         kept = residue.outside_snapshot(jobs, {int(v.id) for v in views})   # e.g. a user's RAM pause
         snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
-                              self.config.ram_budget, self.usage, kept)
+                              self.config.ram_budget, self.usage, kept, self.class_usage)
         decisions, waits = policy.decide_explained(snap, self.config.policy)
         for d in decisions:
             job = live.get(int(d.job_id))
@@ -218,19 +220,25 @@ class Controller:
         dt = 0.0 if self._last_tick is None else max(0.0, now - self._last_tick)
         self._last_tick = now
         gpu_s_by_user: dict[str, float] = {}
+        gpu_s_by_class: dict[tuple[str, int], float] = {}
         for j in jobs:
             if j.state == JobState.RUNNING and not j.stopped:
                 acc = self._accrued.setdefault(j.id, [0.0, 0.0, 0.0])
                 acc[0] += dt * j.gpus
                 acc[1] += dt
                 gpu_s_by_user[j.user] = gpu_s_by_user.get(j.user, 0.0) + dt * j.gpus
+                key = (j.user, j.priority)
+                gpu_s_by_class[key] = gpu_s_by_class.get(key, 0.0) + dt * j.gpus
             elif j.state in (JobState.PAUSING, JobState.RESUMING):
                 self._accrued.setdefault(j.id, [0.0, 0.0, 0.0])[2] += dt
         self.usage = policy.decay_usage(
             self.usage, dt, gpu_s_by_user, self.config.policy_config.fair_share_half_life_s)
+        self.class_usage = policy.decay_usage(
+            self.class_usage, dt, class_gpu_s(gpu_s_by_class), self.config.policy_config.class_half_life_s)
         if now - self._last_flush >= 1.0:
             self.store.accrue([(jid, a, r, s) for jid, (a, r, s) in self._accrued.items() if a or r or s])
             self.store.save_usage(self.usage, now)
+            self.store.save_class_usage(self.class_usage, now)
             self._accrued.clear()
             self._last_flush = now
 

@@ -154,7 +154,10 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
                                                          protect_multiple=opts.protect_multiple,
                                                          protect_cap_s=opts.protect_cap_s,
                                                          max_switch_fraction=opts.max_switch_fraction,
-                                                         reserve_after_s=opts.reserve_after_s))
+                                                         reserve_after_s=opts.reserve_after_s,
+                                                         class_budget_gpu_h=opts.class_budget_gpu_h,
+                                                         class_half_life_s=opts.class_half_life_s,
+                                                         class_floor_share=opts.class_floor_share))
     controller = Controller(store, launcher, gpus, config, driver, bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None

@@ -237,6 +237,10 @@ def _hold_tier(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE jobs ADD COLUMN hold_tier TEXT")
     db.execute(f"UPDATE jobs SET hold_tier=desired_tier WHERE hold=1 AND state NOT IN {_BASELINE_ENDED} "
                "AND desired_tier IN ('ram','disk')")
+# -- version 4: each user's decayed GPU-time per class, for the class budgets (issue 15 item 5) --
+def _class_usage(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE IF NOT EXISTS class_usage (user TEXT NOT NULL, priority INTEGER NOT NULL, "
+               "gpu_s REAL NOT NULL, updated REAL NOT NULL, PRIMARY KEY (user, priority))")
 
 
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
@@ -246,6 +250,7 @@ STEPS: tuple[Step, ...] = (
     Step(2, "events gain kind, tier and mechanism (old rows' inferred from their wording)", _event_kinds),
     Step(3, "jobs gain hold_tier, the tier a user's pause asked for (held live jobs' from desired_tier)",
          _hold_tier),
+    Step(4, "class_usage: each user's decayed GPU-time in the urgent and high classes", _class_usage),
 )
 LATEST = STEPS[-1].version
 

@@ -66,6 +66,36 @@ def _number(raw: Any, name: str) -> float:
     return value
 
 
+def _gpu_hours(raw: Any, name: str) -> float:
+    """A class budget in GPU-hours >= 0, or no budget: "none", "off" or inf (TOML's `inf`)."""
+    if isinstance(raw, str) and raw.strip().lower() in ("none", "off", "inf"):
+        return math.inf
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ValueError(f"{name} must be a number of GPU-hours or \"none\", not {_kind(raw)}")
+    try:
+        value = float(raw)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name} {raw!r} is not a number of GPU-hours (or \"none\")") from None
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name} {raw!r} must be a number of GPU-hours >= 0, or \"none\"")
+    return value
+
+
+def _share(raw: Any, name: str) -> float:
+    """A share of the GPUs: 0 <= x < 1."""
+    value = _number(raw, name)
+    if value >= 1:
+        raise ValueError(f"{name} {raw!r} must be a share of the GPUs below 1 (e.g. 0.25)")
+    return value
+
+
+def _positive(raw: Any, name: str) -> float:
+    value = _number(raw, name)
+    if value <= 0:
+        raise ValueError(f"{name} {raw!r} must be > 0")
+    return value
+
+
 def _boolean(raw: Any, name: str) -> bool:
     if not isinstance(raw, bool):
         raise ValueError(f"{name} must be true or false, not {_kind(raw)}")
@@ -226,6 +256,18 @@ class ServerSettings:
         "a job that has waited this long gets a reservation on the node that can free its GPUs soonest: "
         'no job behind it may start or preempt into them (gpuswap policy; e.g. 10m, 600, or "never")',
         _duration, unit="DURATION", default_text="10m", show=_toml_duration)
+    # Classes with limits (issue 15 item 5; policy/classes.py, docs/policies.md), gpuswap policy only.
+    class_budget_gpu_h: float = _setting(
+        _POLICY.class_budget_gpu_h, "class-budget",
+        "a user's decayed GPU-hours at urgent (or high) beyond which their jobs of that class count one "
+        'class down; "none" for no budget', _gpu_hours, unit="GPU_HOURS")
+    class_half_life_s: float = _setting(
+        _POLICY.class_half_life_s, "class-half-life", "half-life of the GPU-time the class budget counts",
+        _positive, unit="SECONDS")
+    class_floor_share: float = _setting(
+        _POLICY.class_floor_share, "class-floor",
+        "share of the GPUs each class below the highest keeps against the classes above it (a user "
+        "within budget keeps the head start); 0 for none", _share, unit="SHARE")
     pause_timeout_s: float = _setting(
         60.0, "pause-timeout", "how long to wait for a safepoint before falling back", _number, unit="SECONDS")
     no_runtime: str = _setting(

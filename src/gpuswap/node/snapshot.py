@@ -62,7 +62,8 @@ def schedulable(j: JobRecord) -> bool:
 
 def build(now: float, gpus: Iterable[GpuInfo], views: Iterable[JobView], config: PolicyConfig,
           costs: SwitchCosts, ram_budget: int, usage: Mapping[str, float],
-          kept: Mapping[int, int] | None = None) -> Snapshot:
+          kept: Mapping[int, int] | None = None,
+          class_usage: Mapping[tuple[str, int], float] | None = None) -> Snapshot:
     """`views`: job_view() of the schedulable jobs (the controller caches them per record version);
     `kept`: GPU -> what RAM-parked jobs outside the snapshot keep there (node/residue.py)."""
     kept = kept or {}
@@ -74,4 +75,5 @@ def build(now: float, gpus: Iterable[GpuInfo], views: Iterable[JobView], config:
         config=config,
         ram_budget={NODE: ram_budget},
         usage=dict(usage),
+        class_usage=dict(class_usage or {}),
     )

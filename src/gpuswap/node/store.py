@@ -339,6 +339,22 @@ class Store:
             )
             self._db.execute("COMMIT")
 
+    # -- class-budget usage (policy/classes.py): (user, class) -> decayed GPU-seconds ----------
+    def load_class_usage(self) -> dict[tuple[str, int], float]:
+        with self._lock:
+            return {(r["user"], int(r["priority"])): r["gpu_s"]
+                    for r in self._db.execute("SELECT user,priority,gpu_s FROM class_usage")}
+
+    def save_class_usage(self, usage: dict[tuple[str, int], float], now: float) -> None:
+        """Replace the table with `usage`: a (user, class) decayed to nothing is dropped by
+        `decay_usage` and must not come back at the next start."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM class_usage")
+            self._db.executemany("INSERT INTO class_usage (user,priority,gpu_s,updated) VALUES (?,?,?,?)",
+                                 [(u, p, v, now) for (u, p), v in usage.items()])
+            self._db.execute("COMMIT")
+
     # -- switch-cost bandwidths learned from real moves (node/bandwidth.py) ----------------
     def load_bandwidths(self) -> dict[str, tuple[float, int]]:
         """field -> (bytes/s, real moves folded in), as last saved."""

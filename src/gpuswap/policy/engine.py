@@ -20,13 +20,13 @@ from gpuswap.policy.costs import job_bytes, spill_order_ok
 from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
 from gpuswap.policy.queue import Queue
-from gpuswap.policy.specs import Ctx, Spec
+from gpuswap.policy.specs import Ctx, Spec, make_ctx
 from gpuswap.policy.preemption import Preemption
 from gpuswap.policy.victims import Chosen, may_spill_for, protection
 
 
 def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
-    ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
+    ctx = make_ctx(snap, spec)
     cl = ClusterState(snap)
     pre = None
     if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
@@ -49,7 +49,7 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
 def schedule_explained(snap: Snapshot, spec: Spec) -> tuple[list[Decision], dict[str, Wait]]:
     """`schedule`, and why each waiting job it passed over waits (the same round, told as it goes;
     the shortcut for a full cluster is skipped: the round reaches the same decisions)."""
-    ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
+    ctx = make_ctx(snap, spec)
     cl = ClusterState(snap)
     r = _Round(snap, spec, ctx, cl, Explainer(snap, spec, ctx, cl))
     out = r.run()

@@ -18,6 +18,7 @@ from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import park_plan
 from gpuswap.policy.residue import after_park, kept_text
 from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
+from gpuswap.policy.classes import class_of, describe, floor_refusal
 from gpuswap.policy.specs import Ctx, Spec, gs_band, label, las_queue, service_s
 from gpuswap.policy.victims import protection, switch_cap_numbers, under_switch_cap
 
@@ -165,6 +166,9 @@ class Explainer:
                     f"would spend {cost:.0f} s parking and resuming it ({plan.tier}), over its "
                     f"{n['cap']:.0%} switching cap: {n['switched_s']:.0f} s of a {n['life_s']:.0f} s life; "
                     f"allowed in {n['allowed_in_s']:.0f} s", n)
+        floor = floor_refusal(w, v, ctx.lim) if ctx.lim.active else None
+        if floor is not None:
+            return "ClassFloor", floor, {"floor_gpus": ctx.lim.floor_gpus}
         if spec.benefit_ok is not None and not spec.benefit_ok(w, v, ctx, cost):
             gain = service_s(v) - service_s(w)
             factor = snap.config.switch_benefit_factor
@@ -191,13 +195,16 @@ class Explainer:
 
     def _level_text(self, w: JobView, v: JobView) -> str:
         """Why `v` ranks too high for `w` to pause it, in the policy's terms."""
-        if v.priority > w.priority:
-            return f"{label(v.priority)}, not preemptible by a lower priority"
-        if v.priority < w.priority:
-            return f"{label(v.priority)}; policy {self.spec.name} does not pause it for job {w.id}"
+        lim = self.ctx.lim           # gpuswap's classes with limits: the classes they are treated at
+        cv, cw = class_of(v, lim), class_of(w, lim)
+        if cv > cw:
+            return (f"{describe(v, lim)}, not preemptible by a lower priority"
+                    + (f" (job {w.id} counts as {describe(w, lim)})" if cw != w.priority else ""))
+        if cv < cw:
+            return f"{label(cv)}; policy {self.spec.name} does not pause it for job {w.id}"
         name, c = self.spec.name, self.ctx
         if name == "gpuswap":
-            return (f"same class ({label(v.priority)}) and attained-service band {gs_band(v, c)}, "
+            return (f"same class ({label(class_of(v, lim))}) and attained-service band {gs_band(v, c)}, "
                     f"not above job {w.id}'s {gs_band(w, c)}")
         if name == "las":
             return f"LAS queue {las_queue(v, c)}, not above job {w.id}'s {las_queue(w, c)}"

@@ -6,13 +6,15 @@ user's heavy use last month weighs less than heavy use this afternoon.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Hashable, Mapping, TypeVar
+
+K = TypeVar("K", bound=Hashable)   # a user, or (user, class) for the class budgets (policy/classes.py)
 
 _FORGET_BELOW = 1e-6   # GPU-seconds; users below this are dropped so the mapping stays small
 
 
-def decay_usage(usage: Mapping[str, float], dt_s: float, gpu_s_by_user: Mapping[str, float],
-                half_life_s: float) -> dict[str, float]:
+def decay_usage(usage: Mapping[K, float], dt_s: float, gpu_s_by_user: Mapping[K, float],
+                half_life_s: float) -> dict[K, float]:
     """Age `usage` by `dt_s` seconds and add the GPU-seconds each user received during that interval.
 
     The new service is decayed as if received at a constant rate over the interval (the exact
@@ -25,7 +27,7 @@ def decay_usage(usage: Mapping[str, float], dt_s: float, gpu_s_by_user: Mapping[
         rate = math.log(2) / half_life_s
         factor = math.exp(-rate * dt_s)
         mid = -math.expm1(-rate * dt_s) / (rate * dt_s)
-    out: dict[str, float] = {}
+    out: dict[K, float] = {}
     for user in set(usage) | set(gpu_s_by_user):
         value = usage.get(user, 0.0) * factor + gpu_s_by_user.get(user, 0.0) * mid
         if value >= _FORGET_BELOW:

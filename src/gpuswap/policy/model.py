@@ -136,6 +136,16 @@ class PolicyConfig:
     # (engine.py `_Round._reserve`, docs/policies.md). None: never. Only policies whose Spec has
     # `reserves` (gpuswap). Default: docs/policies.md says why.
     reserve_after_s: Optional[float] = 600.0
+    # Issue 15 item 5, classes with limits (policy/classes.py, docs/policies.md); gpuswap only.
+    # A user's jobs of class urgent (or high) are treated one class down once the user's decayed
+    # GPU-hours in that class (Snapshot.class_usage, half-life class_half_life_s) pass the budget:
+    # 192 GPU-h with a 1-day half-life is 8 GPUs for a whole day of deadline work, or about 5.5
+    # GPUs used at urgent forever; inf: no budget. Each class below the highest present is
+    # guaranteed class_floor_share of the healthy GPUs (rounded down: 2 GPUs of an 8-GPU server)
+    # against the others; 0: no floor. Both off (inf, 0) is strict classes.
+    class_budget_gpu_h: float = 192.0
+    class_half_life_s: float = 24 * 3600.0
+    class_floor_share: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +157,9 @@ class Snapshot:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     ram_budget: Mapping[str, int] = field(default_factory=dict)   # node -> bytes allowed parked in RAM
     usage: Mapping[str, float] = field(default_factory=dict)      # user -> decayed GPU-seconds
+    # (user, class) -> decayed GPU-seconds in jobs of that class, for the urgent and high classes
+    # (policy/classes.py; half-life config.class_half_life_s; kept like `usage` by the caller).
+    class_usage: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from gpuswap.jobs import Priority
+from gpuswap.policy import classes
+from gpuswap.policy.classes import FLOOR, HEAD, Limits, class_of, level_class
 from gpuswap.policy.fairshare import share_key
-from gpuswap.policy.model import JobView, Phase, PolicyConfig, SwitchCosts
+from gpuswap.policy.model import JobView, Phase, PolicyConfig, Snapshot, SwitchCosts
 
 Key = tuple
 
@@ -26,6 +28,7 @@ class Ctx:
     config: PolicyConfig
     costs: SwitchCosts
     usage: Mapping[str, float]
+    lim: Limits = classes.NONE       # classes with limits (policy/classes.py): gpuswap only
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,17 @@ class Spec:
     # gpuswap only: the other policies reproduce published schemes (Tiresias, Gandiva, FIFO with
     # backfill) that do not reserve, and their tables are compared with those schemes' own.
     reserves: bool = False
+    # Whether the policy applies the class limits (budgets and floors, policy/classes.py).
+    class_limits: bool = False
+
+
+def make_ctx(snap: Snapshot, spec: Spec) -> Ctx:
+    """The rules' view of `snap`; for a policy with class limits, what they make of it."""
+    ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
+    if not spec.class_limits:
+        return ctx
+    lim = classes.limits(snap, lambda jobs: [k[1:] for k in _gs_orders(jobs, ctx)])
+    return ctx if lim is classes.NONE else Ctx(snap.now, snap.config, snap.costs, snap.usage, lim)
 
 
 def label(priority: int) -> str:
@@ -263,6 +277,9 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     out: this runs for every waiting job on every call; tested equal to `_gs_order`.)
     """
     usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
+    lim = c.lim
+    limited = lim.active
+    base, lifted, head = lim.base, lim.lifted, lim.head
     out: list[Key] = []
     append = out.append
     for j in jobs:
@@ -273,18 +290,28 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
         if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             band = 0                        # starving: promoted
         w = j.weight
-        append((-j.priority, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), s, j.submit_time, j.id))
+        if limited:                         # gs_class written out
+            p = FLOOR if j.id in lifted else base.get(j.id, j.priority) + (HEAD if j.id in head else 0)
+        else:
+            p = j.priority
+        append((-p, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), s, j.submit_time, j.id))
     return out
+
+
+def gs_class(j: JobView, c: Ctx) -> int:
+    """The class gpuswap orders and compares `j` at: its own, one down over its user's budget,
+    FLOOR when lifted into its class's floor share, above it for a head start (policy/classes.py)."""
+    return level_class(j, c.lim) if c.lim.active else j.priority
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
     """One job's key, as `_gs_orders` gives it for many (the readable form; tested equal)."""
-    return (-j.priority, gs_band(j, c), share_key(c.usage, j.user, j.weight), service_s(j),
+    return (-gs_class(j, c), gs_band(j, c), share_key(c.usage, j.user, j.weight), service_s(j),
             j.submit_time, j.id)
 
 
 def _gs_level(j: JobView, c: Ctx) -> Key:
-    return (-j.priority, gs_band(j, c))
+    return (-gs_class(j, c), gs_band(j, c))
 
 
 def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
@@ -293,8 +320,9 @@ def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     top, b_min = -bound[0], bound[1]
     now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
     below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
+    lim = c.lim
     for j in jobs:
-        p = j.priority
+        p = j.priority if not lim.active else gs_class(j, c)
         if p > top:
             return False
         if p < top or b_min <= 0:
@@ -312,12 +340,18 @@ def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
 def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_class: bool,
                  per_gpu: bool = False):
     """Levels of RUNNING jobs at once, (band,) or (class, band): a running job is never starving,
-    so its band is its attained service against the thresholds (las_queue without promotion)."""
+    so its band is its attained service against the thresholds (las_queue without promotion). A
+    running job is never lifted: its class is its own or, over a budget, one down."""
     def levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
         th = thresholds(c.config)
         bands = [bisect_right(th, j.attained_gpu_s / j.gpus if per_gpu and j.gpus > 1 else j.attained_gpu_s)
                  for j in running]          # service_s(j) written out when per_gpu: hot
-        return [(-j.priority, b) for j, b in zip(running, bands)] if by_class else [(b,) for b in bands]
+        if not by_class:
+            return [(b,) for b in bands]
+        lim = c.lim
+        if lim.active:
+            return [(-level_class(j, lim), b) for j, b in zip(running, bands)]
+        return [(-j.priority, b) for j, b in zip(running, bands)]
     return levels
 
 
@@ -325,7 +359,7 @@ def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
     """The job the order ranks last goes first: lowest class, highest band; then the cheapest to
     park, the user most over their share, and the longest since its last switch (a job that has
     just been resumed is the most expensive to move again)."""
-    return (v.priority, -gs_band(v, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
+    return (gs_class(v, c), -gs_band(v, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
             _since_start(v), v.id)
 
 
@@ -339,18 +373,33 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
     band let a job preempt, the gate refused, and the freed GPUs went to it anyway through the
     order -- twice the switches.)
     """
-    if w.priority > v.priority or starving(w, c):
+    lim = c.lim
+    if lim.active:
+        if classes.floor_refusal(w, v, lim) is not None:
+            return False            # a floor: protected from other classes; a lifted job takes from them
+        if w.id in lim.lifted:
+            return True             # a promise, like a class: its class is under its floor
+        if gs_class(w, c) > gs_class(v, c) or starving(w, c):
+            return True
+    elif w.priority > v.priority or starving(w, c):
         return True                 # a promise, like a class: promotion must be able to run the job
     return service_s(v) - service_s(w) >= c.config.switch_benefit_factor * cost
 
 
 def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
+    if c.lim.active:                # lifted or not, and the class it is treated at
+        return (gs_class(w, c), class_of(w, c.lim), w.id in c.lim.head), (float("-inf") if starving(w, c) else service_s(w))
     return w.priority, (float("-inf") if starving(w, c) else service_s(w))
 
 
 def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
-    if w.priority > v.priority:
-        return f"preempted by job {w.id} ({label(w.priority)})"
+    lim = c.lim
+    cv = class_of(v, lim)
+    if gs_class(w, c) > gs_class(v, c):
+        why = f"preempted by job {w.id} ({classes.describe(w, lim)})"
+        if cv != v.priority:
+            why += f"; this job counts as {label(cv)}: its user is over the {label(v.priority)} budget"
+        return why
     return (f"preempted by job {w.id} (same class, less attained service: band "
             f"{gs_band(w, c)} < {gs_band(v, c)})")
 
@@ -367,7 +416,7 @@ SPECS: dict[str, Spec] = {
     "srtf-oracle": Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
                         sim_only=True, level_prefix=1, none_below=_srtf_none_below),
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
-                    benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
+                    benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank, class_limits=True,
                     level_prefix=2, orders=_gs_orders, none_below=_gs_none_below,
                     running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True),
                     reserves=True),

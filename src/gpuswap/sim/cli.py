@@ -48,6 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS|never",
                    help="a job that waited this long gets a reservation on the node that can free its "
                         "GPUs soonest (gpuswap policy; docs/policies.md); never: no reservations")
+    defaults = PolicyConfig()
+    p.add_argument("--class-budget", type=_gpu_hours, default=defaults.class_budget_gpu_h, metavar="GPU_HOURS",
+                   help="gpuswap: a user's decayed urgent (or high) GPU-hours beyond which their jobs of that "
+                        "class are treated one class down; 'inf' for no budget (docs/policies.md)")
+    p.add_argument("--class-half-life", type=float, default=defaults.class_half_life_s, metavar="SECONDS",
+                   help="gpuswap: half-life of the usage the class budget counts")
+    p.add_argument("--class-floor", type=float, default=defaults.class_floor_share, metavar="SHARE",
+                   help="gpuswap: share of the GPUs each class below the highest is guaranteed; 0 for none")
+    p.add_argument("--strict-classes", action="store_true",
+                   help="gpuswap: no class budget and no floor (same as --class-budget inf --class-floor 0)")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
 
 
@@ -59,6 +69,13 @@ def _seconds_or_never(text: str) -> Optional[float]:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds or 'never', got {text!r}") from None
+
+
+def _gpu_hours(text: str) -> float:
+    """A budget in GPU-hours, or inf / none / off for no budget (argparse type: a bad one exits 64)."""
+    if text.strip().lower() in ("inf", "none", "off"):
+        return math.inf
+    return float(text)
 
 
 def register(subparsers: Any) -> None:
@@ -102,7 +119,29 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
         return f"--reserve-after must be a number of seconds >= 0 or 'never', got {reserve}"
     if args.limit is not None and args.limit < 1:
         return f"--limit must be >= 1, got {args.limit}"
+    budget = getattr(args, "class_budget", PolicyConfig().class_budget_gpu_h)
+    if math.isnan(budget) or budget < 0:
+        return f"--class-budget must be a number of GPU-hours >= 0 or 'inf', got {budget}"
+    half_life = getattr(args, "class_half_life", PolicyConfig().class_half_life_s)
+    if not (finite(half_life) and half_life > 0):
+        return f"--class-half-life must be a number of seconds > 0, got {half_life}"
+    floor = getattr(args, "class_floor", PolicyConfig().class_floor_share)
+    if not (finite(floor) and 0 <= floor < 1):
+        return f"--class-floor must be a share between 0 and 1 (below 1), got {floor}"
     return None
+
+
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    """The PolicyConfig the options ask for (after `_bad_option`)."""
+    d = PolicyConfig()
+    strict = getattr(args, "strict_classes", False)
+    return PolicyConfig(min_runtime_s=args.min_runtime,
+                        protect_multiple=getattr(args, "protect_multiple", d.protect_multiple),
+                        protect_cap_s=getattr(args, "protect_cap", d.protect_cap_s),
+                        reserve_after_s=getattr(args, "reserve_after", d.reserve_after_s),
+                        class_budget_gpu_h=math.inf if strict else getattr(args, "class_budget", d.class_budget_gpu_h),
+                        class_half_life_s=getattr(args, "class_half_life", d.class_half_life_s),
+                        class_floor_share=0.0 if strict else getattr(args, "class_floor", d.class_floor_share))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,10 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if trace.rounded:
         print(f"{trace.rounded} job(s) asked for a fraction of a GPU; rounded up to whole GPUs", file=sys.stderr)
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
-    config = PolicyConfig(min_runtime_s=args.min_runtime,
-                          protect_multiple=getattr(args, "protect_multiple", PolicyConfig().protect_multiple),
-                          protect_cap_s=getattr(args, "protect_cap", PolicyConfig().protect_cap_s),
-                          reserve_after_s=getattr(args, "reserve_after", PolicyConfig().reserve_after_s))
+    config = policy_config(args)
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
 
@@ -179,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
                 "urgent_fraction": args.urgent_fraction, "tick_s": args.tick,
                 "min_runtime_s": config.min_runtime_s, "protect_multiple": config.protect_multiple,
                 "protect_cap_s": config.protect_cap_s, "reserve_after_s": config.reserve_after_s,
+                "class_budget_gpu_h": config.class_budget_gpu_h if math.isfinite(config.class_budget_gpu_h) else "inf",
+                "class_half_life_s": config.class_half_life_s, "class_floor_share": config.class_floor_share,
                 "multi_rank": "cooperative" if multi_rank else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")

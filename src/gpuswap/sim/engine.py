@@ -21,6 +21,7 @@ from gpuswap.jobs import JobState
 from gpuswap.lifecycle import EventKind as K
 from gpuswap.policy import decide, decay_usage
 from gpuswap.policy.capability import park_s, parkability, resume_s
+from gpuswap.policy.classes import BUDGETED
 from gpuswap.policy.model import (GpuView, JobView, Pause, Phase, PolicyConfig, Resume, Snapshot,
                                   Spill, Start)
 from gpuswap.sim.costmodel import CostModel, parse_cost_model
@@ -82,6 +83,7 @@ class SimResult:
     max_waiting: int
     usage: dict[str, float] = field(default_factory=dict)
     multi_rank: bool = True
+    class_usage: dict[tuple[str, int], float] = field(default_factory=dict)   # policy/classes.py
 
 
 class _RunningView(JobView):
@@ -164,6 +166,9 @@ class Simulator:
         self.now = 0.0
         self.usage: dict[str, float] = {}
         self.gpus_by_user: dict[str, int] = defaultdict(int)
+        # Decayed GPU-time per (user, class) of the budgeted classes (policy/classes.py).
+        self.class_usage: dict[tuple[str, int], float] = {}
+        self.gpus_by_class: dict[tuple[str, int], int] = defaultdict(int)
         self.last_usage_t = 0.0
         self.busy = self.switch_gpu_s = 0.0
         self.calls = self.events = self.max_waiting = 0
@@ -219,6 +224,8 @@ class Simulator:
         if j.first_start is None:
             j.first_start = self.now
         self.gpus_by_user[j.spec.user] += j.spec.gpus
+        if j.spec.priority in BUDGETED:
+            self.gpus_by_class[(j.spec.user, j.spec.priority)] += j.spec.gpus
         self._push(self.now + (j.spec.duration - j.done), _FINISH, j)
 
     def _stop_run(self, j: SimJob) -> None:
@@ -228,6 +235,8 @@ class Simulator:
         j.attained += ran * j.spec.gpus
         self.busy += ran * j.spec.gpus
         self.gpus_by_user[j.spec.user] -= j.spec.gpus
+        if j.spec.priority in BUDGETED:
+            self.gpus_by_class[(j.spec.user, j.spec.priority)] -= j.spec.gpus
         j.token += 1                       # cancels its pending FINISH
 
     # -- decisions ---------------------------------------------------------------------------
@@ -246,12 +255,16 @@ class Simulator:
         if dt > 0:
             self.usage = decay_usage(self.usage, dt, {u: g * dt for u, g in self.gpus_by_user.items() if g},
                                      self.config.fair_share_half_life_s)
+            if self.class_usage or any(self.gpus_by_class.values()):
+                self.class_usage = decay_usage(
+                    self.class_usage, dt, {k: g * dt for k, g in self.gpus_by_class.items() if g},
+                    self.config.class_half_life_s)
             self.last_usage_t = self.now
         for jid in self.dirty:
             self.views[jid] = self._view(self.live[jid])
         self.dirty.clear()
         snap = Snapshot(self.now, self.gpus, tuple(self.views.values()),
-                        self.model.costs, self.config, self.ram_budget, self.usage)
+                        self.model.costs, self.config, self.ram_budget, self.usage, self.class_usage)
         self.calls += 1
         spilled = False
         for d in decide(snap, self.policy):
@@ -374,7 +387,7 @@ class Simulator:
         makespan = max(j.end for j in self.jobs) - min(j.spec.submit for j in self.jobs)
         return SimResult(self.policy, self.model.name, self.cluster, self.jobs, makespan, self.busy,
                          self.switch_gpu_s, self.calls, self.events, self.max_waiting, self.usage,
-                         self.multi_rank)
+                         self.multi_rank, self.class_usage)
 
 
 def simulate(jobs: list[TraceJob], policy: str, **kw) -> SimResult:
