@@ -70,6 +70,10 @@ class JobView:
     width: int = 1
     # Why `tiers` is empty or narrowed (capability.Parkability.why_not), for the reasons people read.
     why_not: Optional[str] = None
+    # Run-seconds the whole job is expected to need (policy/estimate.py: the user's --time, else the
+    # median of its family's recent finished runs), or None. gpuswap ranks by the time it leaves
+    # (estimate - run_s) while that is > 0; a job without one, or past it, is ranked by its service.
+    estimate_s: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)
