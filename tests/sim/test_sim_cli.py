@@ -32,6 +32,7 @@ def test_register_sets_run():
     (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
     (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
     (["--trace", "{good}", "--multi-rank", "all"], "unknown --multi-rank 'all'; use cooperative or none"),
+    (["--trace", "{good}", "--estimates", "oracle"], "unknown --estimates 'oracle'; use predicted or none"),
     (["--trace", "{labels}"], "unknown class label(s) 'batch' (2 rows)"),
 ])
 def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
