@@ -72,6 +72,12 @@ class JobRecord:
     width: int = 1
     # Why its ranks cannot rebuild their process group (their runtime said so): parked to disk only.
     ram_refusal: Optional[str] = None
+    # Runtime estimate (policy/estimate.py), made once at submission from the user's --time or the
+    # runs finished before it: run-seconds in all, from "time" | "name" | "user", over how many runs.
+    time_limit_s: Optional[float] = None
+    estimate_s: Optional[float] = None
+    estimate_from: Optional[str] = None
+    estimate_runs: int = 0
 
     @property
     def holds_gpu(self) -> bool:
@@ -145,6 +151,10 @@ class NewJob:
     mem_bytes: int
     preemptible: bool = True
     pause_mode: str = "auto"
+    time_limit_s: Optional[float] = None     # --time
+    estimate_s: Optional[float] = None       # policy/estimate.py, made at submission
+    estimate_from: Optional[str] = None
+    estimate_runs: int = 0
 
 
 def encode(column: str, value: Any) -> Any:

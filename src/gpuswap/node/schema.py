@@ -227,11 +227,31 @@ def _event_kinds(db: sqlite3.Connection) -> None:
                "OR (kind IS NULL AND state='PAUSING'))")
 
 
+# -- version 4: runtime estimates (issue 15) ------------------------------------------------------
+# (Step 3 is another change's; the two are numbered in the order they were planned.) A job's
+# `--time` and the estimate made for it at submission (policy/estimate.py) with where it came from.
+# Older rows have none: their jobs are ranked by attained service, as they were. What the predictor
+# learns from needs no table: the finished jobs' rows (user, name, run_s, end_time) are it.
+_ESTIMATE_COLUMNS = (("time_limit_s", "REAL"), ("estimate_s", "REAL"), ("estimate_from", "TEXT"),
+                     ("estimate_runs", "INTEGER NOT NULL DEFAULT 0"))
+
+
+def _estimates(db: sqlite3.Connection) -> None:
+    have = columns(db, "jobs")
+    for name, definition in _ESTIMATE_COLUMNS:
+        if name not in have:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    # The predictor's query: a user's finished runs, newest first (COMPLETED, by end time).
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_user_end ON jobs(user, end_time)")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
     Step(1, "the gpuswap 0.1.0 layout (and any earlier database brought up to it)", _baseline),
     Step(2, "events gain kind, tier and mechanism (old rows' inferred from their wording)", _event_kinds),
+    Step(4, "jobs gain time_limit_s and their runtime estimate (estimate_s, estimate_from, estimate_runs)",
+         _estimates),
 )
 LATEST = STEPS[-1].version
 
