@@ -242,10 +242,18 @@ def _srtf_why(w: JobView, v: JobView, c: Ctx) -> str:
 
 
 # gpuswap ----------------------------------------------------------------------------------------
+def gs_band(j: JobView, c: Ctx) -> int:
+    """gpuswap's LAS band: `las_queue` over its own finer thresholds (config.gpuswap_bands_s), on
+    service per GPU. GPU-seconds (Tiresias' 2D) put an 8-GPU job 8x further back per hour run: on
+    the Philly trace day-long 8-GPU jobs then waited for whole nodes behind everything else and made
+    the entire gap to the SRTF oracle (policies.md)."""
+    return las_queue(j, c, c.config.gpuswap_bands_s, per_gpu=True)
+
+
 def expected_left(j: JobView) -> float:
-    """Seconds the job is expected to run still: its estimate less its run time while that is > 0
-    (policy/estimate.py); otherwise (no estimate, or outlived it) LAS's heavy-tail predictor, its
-    service per GPU -- a job that has run s seconds needs about s more. One unit for both kinds."""
+    """Seconds the job is expected to run still: its estimate less its run time while that is > 0;
+    otherwise (no estimate, or outlived it) LAS's heavy-tail predictor, its service per GPU -- a
+    job that has run s seconds needs about s more. One unit, so both kinds of job compare."""
     e = j.estimate_s
     if e is not None:
         left = e - j.run_s
@@ -254,47 +262,52 @@ def expected_left(j: JobView) -> float:
     return service_s(j)
 
 
-def gs_band(j: JobView, c: Ctx) -> int:
-    """gpuswap's band: its expected remaining time (`expected_left`) on its own finer thresholds
-    (config.gpuswap_bands_s), with Tiresias' starvation promotion. Without an estimate that is the
-    LAS band of its service per GPU. GPU-seconds (Tiresias' 2D) put an 8-GPU job 8x further back per
-    hour run: on the Philly trace day-long 8-GPU jobs then waited for whole nodes behind everything
-    else and made the entire gap to the SRTF oracle (policies.md)."""
-    q = bisect_right(c.config.gpuswap_bands_s, expected_left(j))
-    return 0 if q and starving(j, c) else q
+def left_band(j: JobView, band: int, c: Ctx) -> int:
+    """Where the job's expected remaining time falls on the band thresholds: for a job ranked by its
+    service (no estimate, or outlived it), its band itself, so within a band such jobs keep the
+    order they had before estimates came (share, then service; cheapest victim first); a job with
+    a live estimate moves ahead of them (nearly done) or behind (much left)."""
+    e = j.estimate_s
+    if e is not None:
+        left = e - j.run_s
+        if left > 0:
+            return bisect_right(c.config.gpuswap_bands_s, left)
+    return band
 
 
 def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    """Class, then band (of the expected remaining time), then the least-served user (decayed usage
-    / weight), then expected remaining time.
+    """Class, then LAS band, then expected remaining time on the band scale (`left_band`), then the
+    least-served user (decayed usage / weight), then expected remaining time (`expected_left`).
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
-    jobs that ordering caused ~290k preemptions). (`gs_band`, `share_key` and `expected_left`
-    written out: this runs for every waiting job on every call; tested equal to `_gs_order`.)
+    jobs that ordering caused ~290k preemptions). (`gs_band`, `share_key` and `service_s` written
+    out: this runs for every waiting job on every call; tested equal to `_gs_order`.)
     """
     usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
     out: list[Key] = []
     append = out.append
     for j in jobs:
-        e = j.estimate_s
-        if e is not None and e > j.run_s:
-            left = e - j.run_s
-        else:
-            left = j.attained_gpu_s
-            if j.gpus > 1:
-                left = left / j.gpus
-        band = bisect_right(th, left)
+        s = j.attained_gpu_s
+        if j.gpus > 1:
+            s = s / j.gpus
+        band = bisect_right(th, s)
         if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             band = 0                        # starving: promoted
         w = j.weight
-        append((-j.priority, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), left, j.submit_time, j.id))
+        e = j.estimate_s
+        lb, left = band, s
+        if e is not None and e > j.run_s:   # a live estimate (expected_left, left_band written out)
+            left = e - j.run_s
+            lb = bisect_right(th, left)
+        append((-j.priority, band, lb, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), left, j.submit_time, j.id))
     return out
 
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
     """One job's key, as `_gs_orders` gives it for many (the readable form; tested equal)."""
-    return (-j.priority, gs_band(j, c), share_key(c.usage, j.user, j.weight), expected_left(j),
+    band = gs_band(j, c)
+    return (-j.priority, band, left_band(j, band, c), share_key(c.usage, j.user, j.weight), expected_left(j),
             j.submit_time, j.id)
 
 
@@ -307,14 +320,17 @@ def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     no lower band (`gs_band` written out for that class only, stopping early)."""
     top, b_min = -bound[0], bound[1]
     now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, _WAITING
-    below = th[b_min - 1] if b_min > 0 else 0.0          # expected remaining under this: a lower band
+    below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
     for j in jobs:
         p = j.priority
         if p > top:
             return False
         if p < top or b_min <= 0:
             continue
-        if expected_left(j) < below:
+        s = j.attained_gpu_s
+        if j.gpus > 1:
+            s = s / j.gpus
+        if s < below:
             return False
         if j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             return False                    # starving: promoted to band 0
@@ -333,28 +349,13 @@ def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_cla
     return levels
 
 
-def _gs_running_levels(running: Sequence[JobView], c: Ctx) -> list[Key]:
-    """(class, band) of RUNNING jobs at once: never starving, so the band of `expected_left`."""
-    th = c.config.gpuswap_bands_s
-    out: list[Key] = []
-    for j in running:
-        e = j.estimate_s
-        if e is not None and e > j.run_s:
-            left = e - j.run_s
-        else:
-            left = j.attained_gpu_s
-            if j.gpus > 1:
-                left = left / j.gpus
-        out.append((-j.priority, bisect_right(th, left)))
-    return out
-
-
 def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
-    """The job the order ranks last goes first: lowest class, highest band (the most expected
-    remaining time: a job its estimate says is nearly done goes last); then the cheapest to park,
-    the user most over their share, and the longest since its last switch (a job that has just
-    been resumed is the most expensive to move again)."""
-    return (v.priority, -gs_band(v, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
+    """The job the order ranks last goes first: lowest class, highest band, most expected remaining
+    time on the band scale (`left_band`: a job its estimate says is nearly done goes last); then the
+    cheapest to park, the user most over their share, and the longest since its last switch (a job
+    that has just been resumed is the most expensive to move again)."""
+    band = gs_band(v, c)
+    return (v.priority, -band, -left_band(v, band, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
             _since_start(v), v.id)
 
 
@@ -362,10 +363,13 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
     """A higher class or a starving job (promoted to band 0) always may preempt; within a class
     otherwise only when the expected gain beats the cost.
 
-    The gain is SRTF's: v's expected remaining time - w's (`expected_left`, the unit the bands
-    use), against the seconds the round trip costs v. (Gate and bands must agree: when they used
-    different units, the band let a job preempt, the gate refused, and the freed GPUs went to it
-    anyway through the order -- twice the switches.)
+    The gain is what SRTF would gain: v's expected remaining time - w's (`expected_left`: the
+    estimate's remainder where there is one, else LAS's heavy-tail predictor -- a job that has run s
+    seconds will need about s more -- in the unit the bands use, service per GPU), against the
+    seconds the round trip costs v. A job its estimate says is nearly done is not paused for one
+    with more left. (Gate and bands must agree: when they used different units, the
+    band let a job preempt, the gate refused, and the freed GPUs went to it anyway through the
+    order -- twice the switches.)
     """
     if w.priority > v.priority or starving(w, c):
         return True                 # a promise, like a class: promotion must be able to run the job
@@ -379,7 +383,7 @@ def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
 def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
     if w.priority > v.priority:
         return f"preempted by job {w.id} ({label(w.priority)})"
-    return (f"preempted by job {w.id} (same class, less expected remaining time: band "
+    return (f"preempted by job {w.id} (same class, less attained service: band "
             f"{gs_band(w, c)} < {gs_band(v, c)})")
 
 
@@ -397,5 +401,5 @@ SPECS: dict[str, Spec] = {
     "gpuswap": Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                     benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank,
                     level_prefix=2, orders=_gs_orders, none_below=_gs_none_below,
-                    running_levels=_gs_running_levels),
+                    running_levels=_band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True)),
 }
