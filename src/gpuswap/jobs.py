@@ -99,3 +99,38 @@ def format_size(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+MAX_TIME_LIMIT_S = 365 * 86400
+_SLURM_TIME = re.compile(r"^(?:(\d{1,4})-)?(\d{1,7})(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+_UNIT_TIME = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
+_TIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time_limit(text: str) -> float:
+    """A run-time estimate as Slurm's `--time` takes it, in seconds: "minutes", "minutes:seconds",
+    "hours:minutes:seconds", "days-hours", "days-hours:minutes", "days-hours:minutes:seconds";
+    and 90s, 30m, 4h, 1.5d. Must be > 0 and at most a year."""
+    t = str(text).strip().lower()
+    m = _UNIT_TIME.match(t)
+    if m:
+        seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    else:
+        m = _SLURM_TIME.match(t)
+        if not m:
+            raise ValueError(f"cannot read time {_short(str(text))}; write e.g. 4h, 90m, 1d, 2:30:00 or 1-12")
+        days, a, b, c = m.groups()
+        a, b, c = int(a), (int(b) if b is not None else None), (int(c) if c is not None else None)
+        if days is not None:            # days-hours[:minutes[:seconds]]
+            seconds = int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+        elif c is not None:             # hours:minutes:seconds
+            seconds = a * 3600 + b * 60 + c
+        elif b is not None:             # minutes:seconds
+            seconds = a * 60 + b
+        else:                           # minutes
+            seconds = a * 60
+    if not seconds > 0:
+        raise ValueError(f"time {_short(str(text))} must be more than 0")
+    if seconds > MAX_TIME_LIMIT_S:
+        raise ValueError(f"time {_short(str(text))} is more than a year")
+    return float(seconds)

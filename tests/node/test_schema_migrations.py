@@ -39,7 +39,10 @@ def expected(name: str) -> dict:
     want = json.loads((DATA / f"{name}.json").read_text())
     for job in want["jobs"]:
         for column, default in (("residue", {}), ("ranks", []), ("width", 1), ("ram_refusal", None),
-                                ("hold_tier", None)):
+                                ("hold_tier", None),
+                                # version 5: no --time and no estimate for jobs submitted before it
+                                ("time_limit_s", None), ("estimate_s", None), ("estimate_from", None),
+                                ("estimate_runs", 0)):
             job.setdefault(column, default)
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             want["env"][str(job["id"])] = {}
@@ -331,3 +334,32 @@ def test_the_switch_to_wal_waits_for_another_opener_instead_of_failing(tmp_path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     db.close()
     other.close()
+
+
+def test_version_4_adds_the_runtime_estimate_and_old_finished_jobs_feed_the_predictor(tmp_path):
+    """A database at version 2 (before runtime estimates) gains --time and the estimate columns;
+    its jobs read as having neither, and its completed jobs are the history the predictor learns
+    from at once (no table to fill: the finished rows are it)."""
+    path = saved(RELEASE, tmp_path / "state.db")
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, STEPS[:2]) == [1, 2]
+    db.close()
+    assert version(path) == 2
+    store = Store(path)
+    try:
+        assert version(path) == LATEST
+        jobs = store.list()
+        assert jobs and all((j.time_limit_s, j.estimate_s, j.estimate_from, j.estimate_runs) == (None, None, None, 0)
+                            for j in jobs)
+        done = [j for j in jobs if j.state.value == "COMPLETED" and j.end_time is not None]
+        assert done, "the saved release has a completed job"
+        j = max(done, key=lambda j: (j.end_time, j.id))
+        same, any_name = store.finished_runs(j.user, j.name, 5)
+        assert same[-1] == j.run_s and any_name[-1] == j.run_s
+        [new] = store.add_jobs([NewJob(name="train", user="u", uid=1, gid=1, argv=["true"], cwd="/", env={},
+                                       priority=1, gpus=1, mem_bytes=0, time_limit_s=3600.0, estimate_s=3600.0,
+                                       estimate_from="time")], 1.0)
+        got = store.get(new)
+        assert (got.time_limit_s, got.estimate_s, got.estimate_from, got.estimate_runs) == (3600.0, 3600.0, "time", 0)
+    finally:
+        store.close()

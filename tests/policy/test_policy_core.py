@@ -131,7 +131,7 @@ def test_ram_parked_job_relocates_via_disk_when_its_node_is_full():
 def test_batch_orders_and_levels_equal_the_per_job_rules():
     """Specs may give batch forms of `order` and `level` for speed; they must give the same keys
     (waiting jobs with and without starvation promotion, running jobs across the bands, jobs of
-    several widths: gpuswap's bands count service per GPU)."""
+    several widths: gpuswap's bands count service per GPU; with and without runtime estimates)."""
     import random
 
     from gpuswap.policy.specs import SPECS, Ctx
@@ -145,7 +145,8 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
         run_s = attained / max(1, i % 4)
         common = dict(prio=rng.choice(list(Priority)), user=rng.choice("abc"), attained=attained,
                       gpus=rng.choice([1, 1, 2, 4, 8]),
-                      run_s=run_s, submit=rng.uniform(0, 1e5), since=rng.uniform(0, 1e6))
+                      run_s=run_s, submit=rng.uniform(0, 1e5), since=rng.uniform(0, 1e6),
+                      estimate_s=rng.choice([None, rng.uniform(0, 2e6), run_s]))   # none, any, just outlived
         waiting.append(job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), **common))
         running.append(job(f"r{i}", Phase.RUNNING, assigned=(0,), **common))
     assert any(s.orders or s.running_levels for s in SPECS.values())

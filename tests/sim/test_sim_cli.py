@@ -38,6 +38,7 @@ def test_register_sets_run():
     (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
     (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
     (["--trace", "{good}", "--multi-rank", "all"], "unknown --multi-rank 'all'; use cooperative or none"),
+    (["--trace", "{good}", "--estimates", "oracle"], "unknown --estimates 'oracle'; use predicted or none"),
     (["--trace", "{labels}"], "unknown class label(s) 'batch' (2 rows)"),
     (["--trace", "{good}", "--class-budget", "-1"], "--class-budget must be a number of GPU-hours >= 0"),
     (["--trace", "{good}", "--class-floor", "1"], "--class-floor must be a share between 0 and 1"),

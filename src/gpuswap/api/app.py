@@ -24,6 +24,7 @@ from gpuswap.node.freezer import deferred_pause_text
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher, cwd_problem
 from gpuswap.node.store import JobRecord, NewJob, Store
+from gpuswap.policy.estimate import RECENT, estimate
 
 MAX_WAIT_S = 30.0
 LOG_CHUNK = 1 << 20
@@ -94,10 +95,15 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         if problem:
             raise HTTPException(400, problem)
         name = req.name or os.path.basename(req.argv[0])
+        # Its runtime estimate, once, from what finished before it (the simulator's rule too).
+        est = estimate(req.time_limit_s, *store.finished_runs(who.user, name, RECENT))
         [job_id] = store.add_jobs([NewJob(name=name, user=who.user, uid=who.uid, gid=who.gid, argv=req.argv,
                                           cwd=req.cwd, env=req.env, priority=int(prio), gpus=req.gpus,
                                           mem_bytes=mem, preemptible=req.preemptible,
-                                          pause_mode=req.pause_mode)], time.time())
+                                          pause_mode=req.pause_mode, time_limit_s=req.time_limit_s,
+                                          estimate_s=est.seconds if est else None,
+                                          estimate_from=est.source if est else None,
+                                          estimate_runs=est.runs if est else 0)], time.time())
         controller.wake()
         return {"id": job_id, "name": name, "state": JobState.PENDING.value}
 

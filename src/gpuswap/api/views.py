@@ -6,10 +6,11 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from gpuswap.api.limits import check_command
-from gpuswap.jobs import Priority
+from gpuswap.jobs import MAX_TIME_LIMIT_S, Priority
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.residue import kept_now
 from gpuswap.node.store import Event, JobRecord
+from gpuswap.policy.estimate import Estimate, remaining
 from gpuswap.policy.model import Wait
 
 
@@ -23,6 +24,8 @@ class SubmitRequest(BaseModel):
     mem: Optional[Union[str, int]] = None
     preemptible: bool = True
     pause_mode: str = Field(default="auto", pattern="^(auto|cooperative|transparent)$")
+    # `--time`: run-seconds the user expects the job to need (gpuswap.jobs.parse_time_limit reads it)
+    time_limit_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)
 
     @field_validator("argv", "cwd", "env", "name", "priority", "mem")
     @classmethod
@@ -137,6 +140,8 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         "attained_gpu_s": j.attained_gpu_s,
         "run_s": j.run_s,
         "switch_s": j.switch_s,
+        "time_limit_s": j.time_limit_s,
+        **estimate_fields(j),
         "argv": j.argv,
         "cwd": j.cwd,
         **wait_fields(wait),
@@ -147,6 +152,16 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
     if log_path is not None:
         out["log"] = log_path
     return out
+
+
+def estimate_fields(j: JobRecord) -> dict[str, Any]:
+    """The job's runtime estimate, where it came from, and that in words ("4h from --time",
+    "2.1h from 5 earlier runs of alice/train", "none")."""
+    est = None if j.estimate_s is None else Estimate(j.estimate_s, j.estimate_from or "", j.estimate_runs)
+    left = remaining(j.estimate_s, j.run_s)
+    return {"estimate_s": j.estimate_s, "estimate_from": j.estimate_from, "estimate_runs": j.estimate_runs,
+            "estimate": est.describe(j.user, j.name) if est else "none",
+            "estimate_left_s": left, "estimate_outlived": j.estimate_s is not None and left is None}
 
 
 def gpu_record(g: GpuInfo, used: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from gpuswap.api.client import Client, ClientError
 from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
 from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_USAGE
-from gpuswap.jobs import parse_size
+from gpuswap.jobs import parse_size, parse_time_limit
 
 LS_DEFAULT = 100
 
@@ -71,6 +71,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _time(text: str) -> float:
+    try:
+        return parse_time_limit(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _gib(text: str) -> float:
     """A positive, finite number of GiB (fractions allowed: 0.5)."""
     try:
@@ -101,6 +108,11 @@ def build_parser() -> Parser:
     s.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs, all at once")
     s.add_argument("--mem", type=_size, metavar="SIZE", help="GPU memory per GPU the job will use, e.g. 20GiB")
     s.add_argument("--no-preempt", action="store_true", help="never pause this job for another")
+    s.add_argument("--time", type=_time, metavar="TIME",
+                   help="how long it will run, as Slurm's --time: minutes, H:MM:SS, D-HH, or 4h, 90m, 1d. "
+                        "Only an estimate: the policy serves jobs near their end first; nothing is "
+                        "stopped when it is over (without it, the estimate comes from your earlier "
+                        "runs of the same --name)")
     s.add_argument("--pause-mode", choices=("auto", "cooperative", "transparent"), default="auto",
                    help="how to park it: its gpuswap runtime (cooperative), the CUDA driver's checkpoint "
                         "API (transparent), or auto: cooperative if it attached a runtime, else transparent "
@@ -198,7 +210,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         raise UsageError("gpuswap submit: --gpus must be at least 1")
     body = {"argv": command, "cwd": os.getcwd(), "env": dict(os.environ), "name": a.name,
             "priority": a.priority, "gpus": a.gpus, "mem": a.mem, "preemptible": not a.no_preempt,
-            "pause_mode": a.pause_mode}
+            "pause_mode": a.pause_mode, "time_limit_s": a.time}
     rec = _client().post("/v1/jobs", body)
     _out(a, rec, lambda r: print(f"submitted job {r['id']} ({r['name']})"))
     return 0

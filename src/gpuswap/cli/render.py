@@ -87,6 +87,17 @@ def jobs_table(jobs: list[dict[str, Any]]) -> None:
     console.print(t)
 
 
+def estimate_text(j: dict[str, Any]) -> str:
+    """'4h from --time; 1.2h left', '2.1h from 5 earlier runs of alice/train; outlived', 'none'."""
+    text = j.get("estimate") or "none"
+    if j.get("estimate_s") is None or j.get("ended"):
+        return text
+    if j.get("estimate_outlived"):
+        return f"{text}; outlived (ranked by attained service)"
+    left = j.get("estimate_left_s")
+    return f"{text}; {duration(left)} left" if left is not None else text
+
+
 def job_detail(j: dict[str, Any]) -> None:
     assigned = ",".join(str(g) for g in j.get("assigned_gpus") or []) or "-"
     sim = " (SIMULATED GPUs — no real GPU is in use)" if j.get("gpus_simulated") else ""
@@ -101,6 +112,7 @@ def job_detail(j: dict[str, Any]) -> None:
         ("exit code", "-" if j.get("exit_code") is None else str(j["exit_code"])),
         ("service", f"{duration(j['run_s'])} running, {duration(j['switch_s'])} switching, "
                     f"{j['preemptions']} preemption(s)"),
+        ("estimate", estimate_text(j)),
         ("command", shlex.join(j["argv"])), ("cwd", j["cwd"]), ("log", j.get("log", "-")),
     ]
     t = Table(box=None, show_header=False, pad_edge=False)

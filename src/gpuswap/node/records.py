@@ -76,6 +76,12 @@ class JobRecord:
     # The user's intent, as the API records it (the controller's columns are `desired*`): where a
     # held job is to be parked, ram | disk (None: RAM). Meaningful while `hold` is set.
     hold_tier: Optional[str] = None
+    # Runtime estimate (policy/estimate.py), made once at submission from the user's --time or the
+    # runs finished before it: run-seconds in all, from "time" | "name" | "user", over how many runs.
+    time_limit_s: Optional[float] = None
+    estimate_s: Optional[float] = None
+    estimate_from: Optional[str] = None
+    estimate_runs: int = 0
 
     @property
     def holds_gpu(self) -> bool:
@@ -154,6 +160,10 @@ class NewJob:
     mem_bytes: int
     preemptible: bool = True
     pause_mode: str = "auto"
+    time_limit_s: Optional[float] = None     # --time
+    estimate_s: Optional[float] = None       # policy/estimate.py, made at submission
+    estimate_from: Optional[str] = None
+    estimate_runs: int = 0
 
 
 def encode(column: str, value: Any) -> Any:

@@ -237,10 +237,30 @@ def _hold_tier(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE jobs ADD COLUMN hold_tier TEXT")
     db.execute(f"UPDATE jobs SET hold_tier=desired_tier WHERE hold=1 AND state NOT IN {_BASELINE_ENDED} "
                "AND desired_tier IN ('ram','disk')")
+
+
 # -- version 4: each user's decayed GPU-time per class, for the class budgets (issue 15 item 5) --
 def _class_usage(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE IF NOT EXISTS class_usage (user TEXT NOT NULL, priority INTEGER NOT NULL, "
                "gpu_s REAL NOT NULL, updated REAL NOT NULL, PRIMARY KEY (user, priority))")
+
+
+# -- version 5: runtime estimates (issue 15 items 3 and 8) -----------------------------------------
+# A job's
+# `--time` and the estimate made for it at submission (policy/estimate.py) with where it came from.
+# Older rows have none: their jobs are ranked by attained service, as they were. What the predictor
+# learns from needs no table: the finished jobs' rows (user, name, run_s, end_time) are it.
+_ESTIMATE_COLUMNS = (("time_limit_s", "REAL"), ("estimate_s", "REAL"), ("estimate_from", "TEXT"),
+                     ("estimate_runs", "INTEGER NOT NULL DEFAULT 0"))
+
+
+def _estimates(db: sqlite3.Connection) -> None:
+    have = columns(db, "jobs")
+    for name, definition in _ESTIMATE_COLUMNS:
+        if name not in have:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
+    # The predictor's query: a user's finished runs, newest first (COMPLETED, by end time).
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_user_end ON jobs(user, end_time)")
 
 
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
@@ -251,6 +271,8 @@ STEPS: tuple[Step, ...] = (
     Step(3, "jobs gain hold_tier, the tier a user's pause asked for (held live jobs' from desired_tier)",
          _hold_tier),
     Step(4, "class_usage: each user's decayed GPU-time in the urgent and high classes", _class_usage),
+    Step(5, "jobs gain time_limit_s and their runtime estimate (estimate_s, estimate_from, estimate_runs)",
+         _estimates),
 )
 LATEST = STEPS[-1].version
 

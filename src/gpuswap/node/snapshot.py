@@ -46,6 +46,7 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
         node=NODE,
         home_gpus=tuple(j.home_gpus) if pinned_home else (),
         residue_bytes=max(j.residue.values(), default=0) if cooperative else 0,
+        estimate_s=j.estimate_s,      # made at submission by policy/estimate.py, as in the simulator
     )
 
 

@@ -88,11 +88,13 @@ class Store:
                 for j in jobs:
                     cur = self._db.execute(
                         "INSERT INTO jobs (name,user,uid,gid,cwd,priority,gpus,mem_bytes,"
-                        "preemptible,pause_mode,state,reason,submit_time,state_since,version) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        "preemptible,pause_mode,state,reason,submit_time,state_since,version,"
+                        "time_limit_s,estimate_s,estimate_from,estimate_runs) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         (j.name, j.user, j.uid, j.gid, j.cwd,
                          j.priority, j.gpus, j.mem_bytes, int(j.preemptible), j.pause_mode,
-                         JobState.PENDING.value, "submitted", now, now, self._next_version()),
+                         JobState.PENDING.value, "submitted", now, now, self._next_version(),
+                         j.time_limit_s, j.estimate_s, j.estimate_from, j.estimate_runs),
                     )
                     jid = int(cur.lastrowid)
                     argv = json.dumps(j.argv)
@@ -112,6 +114,18 @@ class Store:
         """The row as the open transaction sees it, without its argv (the lifecycle checks read it)."""
         row = self._db.execute(f"SELECT {RECORD_COLUMNS_NO_ARGV} FROM jobs j WHERE j.id=?", (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
+    def finished_runs(self, user: str, name: str, limit: int) -> tuple[list[float], list[float]]:
+        """Run-seconds of the user's last `limit` completed jobs of this name, and of any name,
+        oldest first: what the runtime predictor learns from (policy/estimate.py). Jobs the
+        retention sweep deleted are forgotten with them."""
+        done = JobState.COMPLETED.value
+        with self._lock:
+            same = self._db.execute("SELECT run_s FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? "
+                                    "AND name=? ORDER BY end_time DESC, id DESC LIMIT ?",
+                                    (user, done, name, limit)).fetchall()
+            any_ = self._db.execute("SELECT run_s FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? "
+                                    "ORDER BY end_time DESC, id DESC LIMIT ?", (user, done, limit)).fetchall()
+        return [r[0] for r in reversed(same)], [r[0] for r in reversed(any_)]
 
     def get(self, job_id: int) -> Optional[JobRecord]:
         with self._lock:

@@ -74,6 +74,10 @@ class JobView:
     # switch_s / switches is what a switch of this job has really cost (reaching its safepoint
     # included), which its protection after a resume follows (victims.protected_s). 0: not known.
     switches: int = 0
+    # Run-seconds the whole job is expected to need (policy/estimate.py: the user's --time, else the
+    # median of its family's recent finished runs), or None. gpuswap ranks by the time it leaves
+    # (estimate - run_s) while that is > 0; a job without one, or past it, is ranked by its service.
+    estimate_s: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)

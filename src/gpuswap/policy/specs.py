@@ -268,8 +268,34 @@ def gs_band(j: JobView, c: Ctx) -> int:
     return las_queue(j, c, c.config.gpuswap_bands_s, per_gpu=True)
 
 
+def expected_left(j: JobView) -> float:
+    """Seconds the job is expected to run still: its estimate less its run time while that is > 0;
+    otherwise (no estimate, or outlived it) LAS's heavy-tail predictor, its service per GPU -- a
+    job that has run s seconds needs about s more. One unit, so both kinds of job compare."""
+    e = j.estimate_s
+    if e is not None:
+        left = e - j.run_s
+        if left > 0:
+            return left
+    return service_s(j)
+
+
+def left_band(j: JobView, band: int, c: Ctx) -> int:
+    """Where the job's expected remaining time falls on the band thresholds: for a job ranked by its
+    service (no estimate, or outlived it), its band itself, so within a band such jobs keep the
+    order they had before estimates came (share, then service; cheapest victim first); a job with
+    a live estimate moves ahead of them (nearly done) or behind (much left)."""
+    e = j.estimate_s
+    if e is not None:
+        left = e - j.run_s
+        if left > 0:
+            return bisect_right(c.config.gpuswap_bands_s, left)
+    return band
+
+
 def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
-    """Class, then LAS band, then the least-served user (decayed usage / weight), then service.
+    """Class, then LAS band, then expected remaining time on the band scale (`left_band`), then the
+    least-served user (decayed usage / weight), then expected remaining time (`expected_left`).
 
     The order starts with the preemption level on purpose: if a user's share could put a job ahead
     of one that may preempt it, the two would swap every minimum runtime (on the first 5,000 Philly
@@ -294,7 +320,12 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
             p = FLOOR if j.id in lifted else base.get(j.id, j.priority) + (HEAD if j.id in head else 0)
         else:
             p = j.priority
-        append((-p, band, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), s, j.submit_time, j.id))
+        e = j.estimate_s
+        lb, left = band, s
+        if e is not None and e > j.run_s:   # a live estimate (expected_left, left_band written out)
+            left = e - j.run_s
+            lb = bisect_right(th, left)
+        append((-p, band, lb, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), left, j.submit_time, j.id))
     return out
 
 
@@ -306,7 +337,8 @@ def gs_class(j: JobView, c: Ctx) -> int:
 
 def _gs_order(j: JobView, c: Ctx) -> Key:
     """One job's key, as `_gs_orders` gives it for many (the readable form; tested equal)."""
-    return (-gs_class(j, c), gs_band(j, c), share_key(c.usage, j.user, j.weight), service_s(j),
+    band = gs_band(j, c)
+    return (-gs_class(j, c), band, left_band(j, band, c), share_key(c.usage, j.user, j.weight), expected_left(j),
             j.submit_time, j.id)
 
 
@@ -356,10 +388,12 @@ def _band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_cla
 
 
 def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
-    """The job the order ranks last goes first: lowest class, highest band; then the cheapest to
-    park, the user most over their share, and the longest since its last switch (a job that has
-    just been resumed is the most expensive to move again)."""
-    return (gs_class(v, c), -gs_band(v, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
+    """The job the order ranks last goes first: lowest class, highest band, most expected remaining
+    time on the band scale (`left_band`: a job its estimate says is nearly done goes last); then the
+    cheapest to park, the user most over their share, and the longest since its last switch (a job
+    that has just been resumed is the most expensive to move again)."""
+    band = gs_band(v, c)
+    return (gs_class(v, c), -band, -left_band(v, band, c), round(cost, 1), -share_key(c.usage, v.user, v.weight),
             _since_start(v), v.id)
 
 
@@ -367,9 +401,11 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
     """A higher class or a starving job (promoted to band 0) always may preempt; within a class
     otherwise only when the expected gain beats the cost.
 
-    LAS's heavy-tail predictor -- a job that has run s seconds will need about s more -- measured
-    in the unit the bands use (service per GPU): gain = v's service - w's service, against the
-    seconds the round trip costs v. (Gate and bands must agree: when they used different units, the
+    The gain is what SRTF would gain: v's expected remaining time - w's (`expected_left`: the
+    estimate's remainder where there is one, else LAS's heavy-tail predictor -- a job that has run s
+    seconds will need about s more -- in the unit the bands use, service per GPU), against the
+    seconds the round trip costs v. A job its estimate says is nearly done is not paused for one
+    with more left. (Gate and bands must agree: when they used different units, the
     band let a job preempt, the gate refused, and the freed GPUs went to it anyway through the
     order -- twice the switches.)
     """
@@ -383,13 +419,14 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
             return True
     elif w.priority > v.priority or starving(w, c):
         return True                 # a promise, like a class: promotion must be able to run the job
-    return service_s(v) - service_s(w) >= c.config.switch_benefit_factor * cost
+    return expected_left(v) - expected_left(w) >= c.config.switch_benefit_factor * cost
 
 
 def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
+    rank = float("-inf") if starving(w, c) else expected_left(w)
     if c.lim.active:                # lifted or not, and the class it is treated at
-        return (gs_class(w, c), class_of(w, c.lim), w.id in c.lim.head), (float("-inf") if starving(w, c) else service_s(w))
-    return w.priority, (float("-inf") if starving(w, c) else service_s(w))
+        return (gs_class(w, c), class_of(w, c.lim), w.id in c.lim.head), rank
+    return w.priority, rank
 
 
 def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:

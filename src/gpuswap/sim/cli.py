@@ -13,7 +13,8 @@ from gpuswap.jobs import parse_size
 from gpuswap.policy import DEFAULT_POLICY, POLICIES
 from gpuswap.policy.model import PolicyConfig
 
-SIM_EXTRA = ("numpy", "matplotlib")   # pyproject's `sim` extra: the daemon and the other verbs need neither
+SIM_EXTRA = ("numpy", "matplotlib")
+ESTIMATE_MODES = ("predicted", "none")   # pyproject's `sim` extra: the daemon and the other verbs need neither
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-rank", default="cooperative",
                    help="cooperative: a multi-GPU job is a data-parallel job parked at the multi-rank "
                         "cost (default); none: multi-GPU jobs are not preemptible (gpuswap before issue 13)")
+    p.add_argument("--estimates", default="predicted",
+                   help="predicted: runtime estimates learnt from the jobs finished so far (default); "
+                        "none: no estimates (gpuswap ranks by attained service alone)")
     p.add_argument("--urgent-fraction", type=float, default=0.1,
                    help="share of jobs <= 15 min marked urgent when the trace has no class column")
     p.add_argument("--seed", type=int, default=0,
@@ -128,6 +132,8 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
     floor = getattr(args, "class_floor", PolicyConfig().class_floor_share)
     if not (finite(floor) and 0 <= floor < 1):
         return f"--class-floor must be a share between 0 and 1 (below 1), got {floor}"
+    if getattr(args, "estimates", "predicted") not in ESTIMATE_MODES:
+        return f"unknown --estimates {args.estimates!r}; use {' or '.join(ESTIMATE_MODES)}"
     return None
 
 
@@ -176,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if trace.rounded:
         print(f"{trace.rounded} job(s) asked for a fraction of a GPU; rounded up to whole GPUs", file=sys.stderr)
     cluster = Cluster(args.nodes, args.gpus_per_node, ram)
+    estimates = getattr(args, "estimates", "predicted") == "predicted"
     config = policy_config(args)
     from gpuswap.sim.metrics import summarize
     from gpuswap.sim.report import print_table, write_outputs
@@ -192,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             try:
                 r = simulate(trace.jobs, name, cluster=cluster, cost_model=model, config=config,
-                             tick_s=args.tick, multi_rank=multi_rank, progress=lambda done, _, t=task: bar.update(t, completed=done))
+                             tick_s=args.tick, multi_rank=multi_rank, estimates=estimates, progress=lambda done, _, t=task: bar.update(t, completed=done))
             except SimError as e:
                 print(f"gpuswap sim: internal error under policy {name}: {e}", file=sys.stderr)
                 return EX_SOFTWARE
@@ -202,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = args.nodes * args.gpus_per_node
     title = (f"{len(trace.jobs):,} jobs on {args.nodes}x{args.gpus_per_node} = {gpus} GPUs, "
              f"switch cost {model.name}, multi-rank {'cooperative' if multi_rank else 'none'}, "
-             f"seed {args.seed}")
+             f"estimates {'predicted' if estimates else 'none'}, seed {args.seed}")
     print_table(summaries, title)
     if trace.clamped:
         print(f"{trace.clamped} job(s) wider than a node were narrowed to {args.gpus_per_node} GPUs "
@@ -217,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
                 "protect_cap_s": config.protect_cap_s, "reserve_after_s": config.reserve_after_s,
                 "class_budget_gpu_h": config.class_budget_gpu_h if math.isfinite(config.class_budget_gpu_h) else "inf",
                 "class_half_life_s": config.class_half_life_s, "class_floor_share": config.class_floor_share,
-                "multi_rank": "cooperative" if multi_rank else "none"}
+                "multi_rank": "cooperative" if multi_rank else "none",
+                "estimates": "predicted" if estimates else "none"}
         for path in write_outputs(args.out, summaries, results, meta):
             print(f"wrote {path}")
     return 0

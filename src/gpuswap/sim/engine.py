@@ -22,6 +22,7 @@ from gpuswap.lifecycle import EventKind as K
 from gpuswap.policy import decide, decay_usage
 from gpuswap.policy.capability import park_s, parkability, resume_s
 from gpuswap.policy.classes import BUDGETED
+from gpuswap.policy.estimate import Estimate, History
 from gpuswap.policy.model import (GpuView, JobView, Pause, Phase, PolicyConfig, Resume, Snapshot,
                                   Spill, Start)
 from gpuswap.sim.costmodel import CostModel, parse_cost_model
@@ -67,6 +68,7 @@ class SimJob:
     end: Optional[float] = None
     preemptions: int = 0
     tiers: frozenset = frozenset()   # what it can be parked to (policy/capability.py), fixed per run
+    estimate: Optional[Estimate] = None   # made at its arrival from the runs finished before it
 
 
 @dataclass
@@ -107,7 +109,7 @@ class _RunningView(JobView):
                       parked=j.parked, parked_bytes=j.parked_bytes, preemptible=True,
                       tiers=j.tiers, holds_gpu_while_paused=False, node=j.node,
                       weight=s.weight, residue_bytes=0, width=s.gpus,   # no residue in the simulator
-                      switches=j.preemptions)
+                      switches=j.preemptions, estimate_s=j.estimate.seconds if j.estimate else None)
         for name, value in values.items():
             _SLOT[name].__set__(v, value)
         object.__setattr__(v, "_sim", sim)
@@ -137,8 +139,11 @@ class Simulator:
     def __init__(self, jobs: list[TraceJob], policy: str, cluster: Cluster = Cluster(),
                  cost_model: CostModel | str = "gpuswap", config: PolicyConfig = PolicyConfig(),
                  tick_s: float = 60.0, progress: Optional[Callable[[int, int], None]] = None,
-                 multi_rank: bool = True):
+                 multi_rank: bool = True, estimates: bool = True):
         self.policy = policy
+        # Runtime estimates (policy/estimate.py), learnt as the run goes: a job is added to the
+        # history when it completes and estimated when it arrives, so no estimate sees the future.
+        self.history: Optional[History] = History() if estimates else None
         self.multi_rank = multi_rank
         self.progress = progress           # called now and then with (jobs finished, jobs)
         self.finished = 0
@@ -248,7 +253,8 @@ class Simulator:
         return JobView(s.id, s.user, s.priority, j.phase, s.gpus, s.mem, s.submit, j.phase_since,
                        j.last_start, j.attained, j.switch_s, j.run_s, j.assigned, j.parked,
                        j.parked_bytes, True, j.tiers, False, j.node, s.weight,
-                       (s.duration - j.done) if self.oracle else None, width=s.gpus, switches=j.preemptions)
+                       (s.duration - j.done) if self.oracle else None, width=s.gpus, switches=j.preemptions,
+                       estimate_s=j.estimate.seconds if j.estimate else None)
 
     def _decide(self) -> bool:
         dt = self.now - self.last_usage_t
@@ -318,6 +324,8 @@ class Simulator:
         the Philly trace.
         """
         if kind == _ARRIVE:
+            if self.history is not None:
+                j.estimate = self.history.estimate(j.spec.user, j.spec.name)
             self.live[j.spec.id] = j
             self._set_phase(j, Phase.PENDING, K.SUBMITTED, new=True)
         elif kind == _FINISH:
@@ -326,6 +334,8 @@ class Simulator:
             self._stop_run(j)
             self._release(j)
             j.end = self.now
+            if self.history is not None:
+                self.history.add(j.spec.user, j.spec.name, j.run_s)
             self.finished += 1
             if self.progress is not None and self.finished % 500 == 0:
                 self.progress(self.finished, len(self.jobs))

@@ -70,12 +70,13 @@ def write_outputs(out: str, summaries: dict[str, dict[str, Any]], results: dict[
         with open(path, "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["id", "user", "class", "gpus", "submit_s", "duration_s", "first_start_s",
-                        "end_s", "jct_s", "queue_s", "preemptions", "switch_s"])
+                        "end_s", "jct_s", "queue_s", "preemptions", "switch_s", "estimate_s", "estimate_from"])
             for j in r.jobs:
                 s = j.spec
                 w.writerow([s.id, s.user, Priority(s.priority).label, s.gpus, s.submit, s.duration,
                             j.first_start, j.end, j.end - s.submit, j.first_start - s.submit,
-                            j.preemptions, round(j.switch_s, 3)])
+                            j.preemptions, round(j.switch_s, 3),
+                            j.estimate.seconds if j.estimate else None, j.estimate.source if j.estimate else None])
         written.append(path)
     written += plots(out, results)
     return written

@@ -8,6 +8,9 @@ Accepted columns (header names, case-insensitive; extra columns are ignored):
   class        `priority` | `class` (optional)            urgent|high|normal|low or 0..3
   memory       `mem` | `mem_bytes` | `memory` (optional)  per-GPU footprint, e.g. 12GiB or bytes
   weight       `weight` (optional)                        the user's fair-share weight (default 1)
+  job name     `name` | `job_name` | `jobname` | `command` (optional)  the family the runtime predictor
+               learns from (policy/estimate.py); without it, the GPUs asked for ("1 GPU", "8 GPUs"):
+               Philly's rows name no job, and within a virtual cluster the width is what sets runs apart
 Missing values are filled by documented, seeded models (see `fill_memory`, `assign_classes`).
 Malformed rows are skipped and counted by reason; a class label outside the four classes refuses
 the whole trace (dropping a class would silently simulate another workload).
@@ -46,6 +49,7 @@ class TraceJob:
     priority: Optional[int] = None
     mem: Optional[int] = None  # bytes per GPU
     weight: float = 1.0
+    name: str = ""             # job family for runtime estimates (a name column, else the GPUs asked for)
 
 
 @dataclass
@@ -74,6 +78,7 @@ _ALIASES = {
     "priority": ("priority", "class"),
     "mem": ("mem", "mem_bytes", "memory"),
     "weight": ("weight",),
+    "name": ("name", "job_name", "jobname", "command"),
 }
 
 
@@ -180,8 +185,9 @@ def read_trace(path: str, limit: Optional[int] = None) -> Trace:
                 continue
             if gpus != gpus_asked:
                 rounded.add(str(len(jobs)))
+            name = get("name").strip() or f"{gpus} GPU{'s' if gpus > 1 else ''}"
             jobs.append(TraceJob(str(len(jobs)), submit, duration, gpus,
-                                 get("user").strip() or "user", prio, mem, weight))
+                                 get("user").strip() or "user", prio, mem, weight, name))
     if unknown_classes:
         labels = ", ".join(f"{_show(label)} ({n} row{'s' if n > 1 else ''})" for label, n in unknown_classes.most_common())
         raise TraceError(f"trace {path!r}: unknown class label(s) {labels}; the class column takes "

@@ -1,0 +1,76 @@
+"""Runtime estimates in the daemon: `submit --time`, the estimate made at submission from the
+user's finished runs, what `show` says about it, and that the policy's snapshot carries it."""
+from __future__ import annotations
+
+import json
+import pwd
+import os
+
+from gpuswap.node import snapshot
+from gpuswap.node.store import NewJob, Store
+
+
+def _show(daemon, job_id: int) -> tuple[dict, str]:
+    r = daemon.cli("show", str(job_id), "--json")
+    assert r.returncode == 0, r.stderr
+    text = daemon.cli("show", str(job_id))
+    assert text.returncode == 0, text.stderr
+    return json.loads(r.stdout), text.stdout
+
+
+def _submit(daemon, *args: str) -> int:
+    r = daemon.cli("submit", "--json", *args)
+    assert r.returncode == 0, r.stderr
+    return int(json.loads(r.stdout)["id"])
+
+
+def test_submit_time_and_estimates_from_earlier_runs_show_where_they_came_from(daemon):
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    first = _submit(daemon, "--name", "fam", "--time", "4h", "--", "sleep", "0.5")
+    rec, text = _show(daemon, first)
+    assert (rec["time_limit_s"], rec["estimate_s"], rec["estimate_from"]) == (14400.0, 14400.0, "time")
+    assert rec["estimate"] == "4h from --time" and "4h from --time" in text
+    assert daemon.cli("wait", str(first), "--timeout", "120").returncode == 0
+
+    second = _submit(daemon, "--name", "fam", "--", "sleep", "0.5")     # no --time: learnt from the first
+    rec, text = _show(daemon, second)
+    ran = daemon.job(first)["run_s"]
+    assert ran > 0
+    assert (rec["time_limit_s"], rec["estimate_s"], rec["estimate_from"], rec["estimate_runs"]) == (None, ran, "name", 1)
+    assert rec["estimate"].endswith(f"from 1 earlier run of {user}/fam") and f"1 earlier run of {user}/fam" in text
+    assert daemon.cli("wait", str(second), "--timeout", "120").returncode == 0
+
+    other = _submit(daemon, "--name", "new", "--", "true")               # a new name: the user's runs
+    rec, _ = _show(daemon, other)
+    assert (rec["estimate_from"], rec["estimate_runs"]) == ("user", 2)
+    assert rec["estimate"].endswith(f"from 2 earlier runs of {user}")
+    assert daemon.cli("wait", str(other), "--timeout", "120").returncode == 0
+
+
+def test_a_job_with_nothing_to_learn_from_has_no_estimate(daemon):
+    job = _submit(daemon, "--name", "alone", "--", "true")
+    rec, text = _show(daemon, job)
+    assert (rec["estimate_s"], rec["estimate_from"], rec["estimate"]) == (None, None, "none")
+    assert any(line.split()[:2] == ["estimate", "none"] for line in text.splitlines())
+
+
+def test_bad_time_values_exit_64_with_one_line(daemon):
+    for bad in ("0", "banana", "-5", "400d", "1:2:3:4"):
+        r = daemon.cli("submit", "--time", bad, "--", "true")
+        assert r.returncode == 64, (bad, r)
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and "time" in r.stderr, r.stderr
+    assert daemon.client.get("/v1/jobs") == []                           # nothing was queued
+
+
+def test_the_policy_snapshot_carries_the_stored_estimate(tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        [a, b] = store.add_jobs([
+            NewJob(name="x", user="u", uid=1, gid=1, argv=["true"], cwd="/", env={}, priority=1, gpus=1,
+                   mem_bytes=0, time_limit_s=600.0, estimate_s=600.0, estimate_from="time"),
+            NewJob(name="y", user="u", uid=1, gid=1, argv=["true"], cwd="/", env={}, priority=1, gpus=1,
+                   mem_bytes=0)], 1.0)
+        assert snapshot.job_view(store.get(a)).estimate_s == 600.0
+        assert snapshot.job_view(store.get(b)).estimate_s is None
+    finally:
+        store.close()
