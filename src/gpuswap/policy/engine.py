@@ -20,7 +20,8 @@ from gpuswap.policy.costs import job_bytes, spill_order_ok
 from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
 from gpuswap.policy.queue import Queue
-from gpuswap.policy.specs import Ctx, Spec, make_ctx
+from gpuswap.policy.policies import make_ctx
+from gpuswap.policy.specs import Ctx, Spec
 from gpuswap.policy.preemption import Preemption
 from gpuswap.policy.reservation import Reservations
 from gpuswap.policy.victims import Chosen, may_spill_for
