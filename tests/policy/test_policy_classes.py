@@ -7,7 +7,7 @@ import pytest
 from gpuswap.jobs import Priority
 from gpuswap.policy import Phase, PolicyConfig, decay_usage, decide, decide_explained
 from gpuswap.policy.classes import FLOOR, HEAD, limits
-from gpuswap.policy.specs import SPECS, make_ctx
+from gpuswap.policy.policies import SPECS, make_ctx
 from policy_helpers import gpus, job, kinds, snap
 
 LOW, NORMAL, HIGH, URGENT = Priority.LOW, Priority.NORMAL, Priority.HIGH, Priority.URGENT

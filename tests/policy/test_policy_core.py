@@ -134,7 +134,8 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
     several widths: gpuswap's bands count service per GPU; with and without runtime estimates)."""
     import random
 
-    from gpuswap.policy.specs import SPECS, Ctx
+    from gpuswap.policy.policies import SPECS
+    from gpuswap.policy.specs import Ctx
 
     rng = random.Random(7)
     cfg = PolicyConfig()

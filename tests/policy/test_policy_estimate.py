@@ -1,4 +1,4 @@
-"""Runtime estimates (policy/estimate.py) and how gpuswap ranks with them (policy/specs.py):
+"""Runtime estimates (policy/estimate.py) and how gpuswap ranks with them (policy/gpuswap.py):
 the predictor's method and sources, `--time` parsing, and the order, victim and gate rules."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from gpuswap.policy import decide
 from gpuswap.policy.estimate import (FROM_NAME, FROM_TIME, FROM_USER, RECENT, Estimate, History, estimate,
                                      human, remaining)
 from gpuswap.policy.model import Pause, Phase, PolicyConfig, Start
-from gpuswap.policy.specs import SPECS, Ctx
+from gpuswap.policy.policies import SPECS
+from gpuswap.policy.specs import Ctx
 from gpuswap.policy.model import SwitchCosts
 
 from policy_helpers import gpus, job, snap

@@ -7,7 +7,8 @@ import pytest
 from gpuswap.jobs import Priority
 from gpuswap.policy import POLICIES, Phase, PolicyConfig, SwitchCosts, decide, decide_explained
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.specs import SPECS, Ctx
+from gpuswap.policy.policies import SPECS
+from gpuswap.policy.specs import Ctx
 from gpuswap.policy.victims import eligible, protection
 from policy_helpers import GiB, gpus, job, kinds, snap
 

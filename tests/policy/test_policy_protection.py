@@ -10,7 +10,8 @@ from gpuswap.jobs import Priority
 from gpuswap.policy import Phase, PolicyConfig, SwitchCosts, decide, decide_explained
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.costs import switch_s
-from gpuswap.policy.specs import SPECS, Ctx
+from gpuswap.policy.policies import SPECS
+from gpuswap.policy.specs import Ctx
 from gpuswap.policy.victims import eligible, protected_s, protection, round_trip_s
 from policy_helpers import GiB, gpus, job, kinds, snap
 

@@ -7,7 +7,8 @@ from gpuswap.policy import Pause, Phase, PolicyConfig, SwitchCosts, decide
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.preemption import Preemption
 from gpuswap.policy.queue import Queue
-from gpuswap.policy.specs import SPECS, Ctx
+from gpuswap.policy.policies import SPECS
+from gpuswap.policy.specs import Ctx
 from policy_helpers import gpus, job, kinds, snap
 
 

@@ -8,7 +8,7 @@ from gpuswap.policy.model import Decision, Snapshot, Wait
 from gpuswap.policy.costs import choose_tier, switch_s  # noqa: F401
 from gpuswap.policy.engine import schedule, schedule_explained
 from gpuswap.policy.fairshare import decay_usage  # noqa: F401
-from gpuswap.policy.specs import SPECS
+from gpuswap.policy.policies import SPECS
 
 POLICIES: tuple[str, ...] = ("gpuswap", "fifo", "priority", "las", "gandiva", "srtf-oracle")
 DEFAULT_POLICY = "gpuswap"

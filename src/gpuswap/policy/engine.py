@@ -7,7 +7,7 @@ GPUs), GPUs of PAUSING/RESUMING jobs stay held, GPUs a pause in flight will free
 first waiting job that can use them (so no second round of victims is paused for the same need), a
 stopped job's GPUs lent only to jobs that fit beside the memory it keeps, the host-RAM budget, the
 memory a RAM park leaves on a GPU kept reserved (`residue.py`), and a reservation for a job that
-waited past `config.reserve_after_s` (`_reserve`, policies with `Spec.reserves`).
+waited past `config.reserve_after_s` (`reservation.py`, policies with `Spec.reserves`).
 Victims: `victims.py` (the rules) and `preemption.py` (a round's victims); the GPUs a round can hand out: `cluster.py`; tiers and costs: `costs.py`.
 """
 from __future__ import annotations
@@ -20,9 +20,11 @@ from gpuswap.policy.costs import job_bytes, spill_order_ok
 from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import Decision, JobView, Pause, Phase, Resume, Snapshot, Spill, Start, Wait
 from gpuswap.policy.queue import Queue
-from gpuswap.policy.specs import Ctx, Spec, make_ctx
+from gpuswap.policy.policies import make_ctx
+from gpuswap.policy.specs import Ctx, Spec
 from gpuswap.policy.preemption import Preemption
-from gpuswap.policy.victims import Chosen, may_spill_for, protection
+from gpuswap.policy.reservation import Reservations
+from gpuswap.policy.victims import Chosen, may_spill_for
 
 
 def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
@@ -71,12 +73,8 @@ class _Round:
         # handed out) and waiting jobs come in rising level, so a job like one that found no plan
         # (same GPUs, places and benefit group, rank no lower) finds none either.
         self.no_plan: dict[tuple, float] = {}
-        self.reserved: dict[str, str] = {}         # node -> the waiting job holding its reservation
-        self._parkable: Optional[dict[str, list[tuple[float, tuple, int, str]]]] = None
-        self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
-        self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
-        self._last_touch: dict[str, int] = {}
-        self._seen = 0
+        self.reservations = Reservations(snap, spec, ctx, cl, why)
+        self.reserved = self.reservations.reserved  # node -> the job holding its reservation (same dict)
 
     def run(self) -> list[Decision]:
         queue = _queue(self.cl.waiting, self.spec, self.ctx)
@@ -188,127 +186,8 @@ class _Round:
 
     def _wait(self, w: JobView, lw: Optional[tuple], need: int) -> None:
         """`w` gets no GPU this round: it takes a reservation if it has waited long enough."""
-        if not self._reserve(w, lw, need) and self.why is not None:
+        if not self.reservations.take(w, lw, need, self.pre) and self.why is not None:
             self.why.blocked(w, lw, self.out)
-
-    def _reserve(self, w: JobView, lw: Optional[tuple], need: int) -> bool:
-        """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
-        its phase, hold for it, on the node that can free its GPUs soonest (`_readiness`), the free
-        and coming-free GPUs it needs there, and let no job behind it in the order pause anyone on
-        that node; the node's other free GPUs stay open to backfill. One reservation per node; the
-        job's own victims there are paused by the usual rules (its level, protection, switch cap,
-        benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
-        it can lose GPUs to narrower jobs behind it. Whether it reserved."""
-        after = self.snap.config.reserve_after_s
-        if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
-                or w.holds_gpu_while_paused or w.home_gpus):
-            return False     # a 1-GPU job gets any GPU that frees before those behind it; stopped
-                             # and pinned jobs already wait for exact GPUs
-        cl = self.cl
-        if len(self.reserved) == len(cl.nodes):
-            return False
-        if self._capacity is None:
-            self._capacity = {}
-            for g in self.snap.gpus:
-                if g.healthy:
-                    self._capacity[g.node] = self._capacity.get(g.node, 0) + 1
-        nodes = [n for n in cl.candidate_nodes(w) if n not in self.reserved and self._capacity.get(n, 0) >= need]
-        if not nodes:
-            return False
-        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need))
-        self.reserved[node] = w.id
-        before = self.why.snapshot_pools(node) if self.why is not None else None
-        missing = cl.reserve_for(w, node, need)
-        cl.refresh()
-        # The holders there it would pause first (soonest unprotected) until its need is met are
-        # kept for it: nobody behind it pauses them. Others there may still be paused by them.
-        kept = [vid for _, n, vid in self._lapses(w, lw, node)[:self._enough(self._lapses(w, lw, node), missing)]]
-        if self.pre is not None and kept:
-            self.pre.close(node, set(kept))
-        if self.why is not None:
-            self.why.promise(w, node, before, reservation=True, kept=kept)
-            held = sorted(before - self.why.snapshot_pools(node))
-            self.why.say(w, "Reserved", f"holds a reservation on {node}: waited {self.snap.now - w.phase_since:.0f} s, "
-                         f"past the {after:.0f} s bound; "
-                         + (f"GPU {_ids(held)} held for it, " if held else "")
-                         + f"waiting for {missing} more GPU{'s' if missing != 1 else ''} there "
-                         f"(no job behind it may start or preempt into them)",
-                         waited_s=self.snap.now - w.phase_since, gpus_held=len(held), gpus_missing=missing)
-        return True
-
-    def _ready_memo(self, w: JobView, lw: Optional[tuple], node: str, need: int) -> tuple:
-        """`_readiness`, kept per node for jobs of the same level and width until the round changes
-        that node (`ClusterState.touched`): with many nodes and many starving wide jobs, each
-        reservation would otherwise estimate every node again."""
-        cl = self.cl
-        if cl.residue:                      # the GPUs w fits on depend on w itself
-            return self._readiness(w, lw, node, need)
-        touched = cl.touched
-        for k in range(self._seen, len(touched)):
-            self._last_touch[touched[k]] = k
-        self._seen = len(touched)
-        key = (node, lw, need)
-        hit = self._ready.get(key)
-        if hit is not None and hit[1] > self._last_touch.get(node, -1):
-            return hit[0]
-        value = self._readiness(w, lw, node, need)
-        self._ready[key] = (value, len(touched))
-        return value
-
-    def _readiness(self, w: JobView, lw: Optional[tuple], node: str, need: int) -> tuple:
-        """How soon `node` could give `w` its GPUs, from what a live policy knows (running jobs'
-        remaining time is not known): its free GPUs and those pauses in flight free now, then the
-        GPUs of jobs `w` could pause (preemptible, parkable, of a level above `w`'s) as their
-        protection ends. (When that is enough, the time; else never, and then the most GPUs
-        that way, the node name.)"""
-        free, pending = self.cl.pools_for(w)
-        have = len(free[node]) + len(pending[node])
-        now = self.snap.now
-        if have >= need:
-            return (now, -have, node)
-        lapses = self._lapses(w, lw, node)
-        k = self._enough(lapses, need - have)
-        ready = max(lapses[k - 1][0], now) if k and sum(n for _, n, _ in lapses[:k]) >= need - have else float("inf")
-        return (ready, -(have + sum(n for _, n, _ in lapses)), node)
-
-    def _lapses(self, w: JobView, lw: Optional[tuple], node: str) -> list[tuple[float, int, str]]:
-        """The holders on `node` that `w` could pause, soonest unprotected first: (when, GPUs, id)."""
-        if lw is None:
-            return []
-        gone = self.pre.gone if self.pre is not None else ()
-        return [(t, n, vid) for t, lv, n, vid in self._parkable_on().get(node, ()) if lw < lv and vid not in gone]
-
-    @staticmethod
-    def _enough(lapses: list[tuple[float, int, str]], missing: int) -> int:
-        """How many of `lapses`, in order, free `missing` GPUs (all of them if they cannot)."""
-        got = 0
-        for k, (_, n, _) in enumerate(lapses):
-            if got >= missing:
-                return k
-            got += n
-        return len(lapses)
-
-    def _parkable_on(self) -> dict[str, list[tuple[float, tuple, int, str]]]:
-        """Per node, its running jobs that could be paused for someone: (when their protection
-        ends, level, GPUs, id), soonest first. Built once per round, on the first reservation."""
-        if self._parkable is None:
-            self._parkable = {}
-            snap, spec, ctx, cl = self.snap, self.spec, self.ctx, self.cl
-            jobs = [v for v in cl.running if v.preemptible and v.tiers]
-            levels = spec.running_levels(jobs, ctx) if spec.running_levels else [spec.level(v, ctx) for v in jobs]
-            unprotected = {v.id for v in self.pre.eligible_jobs} if self.pre is not None else set()
-            for v, lv in zip(jobs, levels):
-                why = None if v.id in unprotected else protection(v, snap)
-                if why is None:
-                    t = snap.now
-                elif "seconds_left" in why[2]:
-                    t = snap.now + why[2]["seconds_left"]
-                else:
-                    continue
-                self._parkable.setdefault(cl.job_node(v), []).append((t, lv, len(v.assigned), v.id))
-            for held in self._parkable.values():
-                held.sort(key=lambda e: (e[0], e[3]))
-        return self._parkable
 
     def _serve_pinned(self, w: JobView, key: tuple) -> None:
         """A RAM-parked job whose CUDA context stays on its GPUs resumes on exactly those."""

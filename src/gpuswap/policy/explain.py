@@ -19,7 +19,8 @@ from gpuswap.policy.costs import park_plan
 from gpuswap.policy.residue import after_park, kept_text
 from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
 from gpuswap.policy.classes import class_of, describe, floor_refusal
-from gpuswap.policy.specs import Ctx, Spec, gs_band, label, las_queue, service_s
+from gpuswap.policy.gpuswap import gs_band
+from gpuswap.policy.specs import Ctx, Spec, label, las_queue, service_s
 from gpuswap.policy.victims import protection, switch_cap_numbers, under_switch_cap
 
 

@@ -137,7 +137,7 @@ class PolicyConfig:
     # Issue 15, item 2 (no starvation of wide jobs): a waiting job that has waited this long in its
     # current phase without being placed gets a reservation on the node that can free its GPUs
     # soonest; jobs behind it may no longer start, resume or preempt there in a way that delays it
-    # (engine.py `_Round._reserve`, docs/policies.md). None: never. Only policies whose Spec has
+    # (reservation.py, docs/policies.md). None: never. Only policies whose Spec has
     # `reserves` (gpuswap). Default: docs/policies.md says why.
     reserve_after_s: Optional[float] = 600.0
     # Issue 15 item 5, classes with limits (policy/classes.py, docs/policies.md); gpuswap only.

@@ -1,0 +1,156 @@
+"""Reservations for wide jobs that waited too long (docs/policies.md, rule 6 "No starvation of wide
+jobs"; issue 15, item 2).
+
+Backfilling lets narrow jobs behind a waiting wide one take every GPU that frees, so without a
+reservation a job of 2 GPUs or more could wait forever. Once it has waited `reserve_after_s` in its
+phase, the round (`engine.py`) asks `Reservations.take` to hold for it, on the node that can free its
+GPUs soonest, the GPUs it needs there, and to keep the victims it would pause there from the jobs
+behind it. Kept apart from the round: it is its own rule with its own per-round memos.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from gpuswap.policy.cluster import ClusterState
+from gpuswap.policy.explain import Explainer
+from gpuswap.policy.model import JobView, Snapshot
+from gpuswap.policy.preemption import Preemption
+from gpuswap.policy.specs import Ctx, Spec
+from gpuswap.policy.victims import protection
+
+
+class Reservations:
+    """One round's reservations (one per node) and what they need to choose a node."""
+
+    def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState, why: Optional[Explainer]):
+        self.snap, self.spec, self.ctx, self.cl, self.why = snap, spec, ctx, cl, why
+        self.reserved: dict[str, str] = {}         # node -> the waiting job holding its reservation
+        self._parkable: Optional[dict[str, list[tuple[float, tuple, int, str]]]] = None
+        self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
+        self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
+        self._last_touch: dict[str, int] = {}
+        self._seen = 0
+
+    def take(self, w: JobView, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
+        """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
+        its phase, hold for it, on the node that can free its GPUs soonest (`_readiness`), the free
+        and coming-free GPUs it needs there, and let no job behind it in the order pause anyone on
+        that node; the node's other free GPUs stay open to backfill. One reservation per node; the
+        job's own victims there are paused by the usual rules (its level, protection, switch cap,
+        benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
+        it can lose GPUs to narrower jobs behind it. `pre`: the round's preemption, if built yet.
+        Whether it reserved."""
+        after = self.snap.config.reserve_after_s
+        if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
+                or w.holds_gpu_while_paused or w.home_gpus):
+            return False     # a 1-GPU job gets any GPU that frees before those behind it; stopped
+                             # and pinned jobs already wait for exact GPUs
+        cl = self.cl
+        if len(self.reserved) == len(cl.nodes):
+            return False
+        if self._capacity is None:
+            self._capacity = {}
+            for g in self.snap.gpus:
+                if g.healthy:
+                    self._capacity[g.node] = self._capacity.get(g.node, 0) + 1
+        nodes = [n for n in cl.candidate_nodes(w) if n not in self.reserved and self._capacity.get(n, 0) >= need]
+        if not nodes:
+            return False
+        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need, pre))
+        self.reserved[node] = w.id
+        before = self.why.snapshot_pools(node) if self.why is not None else None
+        missing = cl.reserve_for(w, node, need)
+        cl.refresh()
+        # The holders there it would pause first (soonest unprotected) until its need is met are
+        # kept for it: nobody behind it pauses them. Others there may still be paused by them.
+        lapses = self._lapses(w, lw, node, pre)
+        kept = [vid for _, n, vid in lapses[:self._enough(lapses, missing)]]
+        if pre is not None and kept:
+            pre.close(node, set(kept))
+        if self.why is not None:
+            self.why.promise(w, node, before, reservation=True, kept=kept)
+            held = sorted(before - self.why.snapshot_pools(node))
+            self.why.say(w, "Reserved", f"holds a reservation on {node}: waited {self.snap.now - w.phase_since:.0f} s, "
+                         f"past the {after:.0f} s bound; "
+                         + (f"GPU {','.join(map(str, held))} held for it, " if held else "")
+                         + f"waiting for {missing} more GPU{'s' if missing != 1 else ''} there "
+                         f"(no job behind it may start or preempt into them)",
+                         waited_s=self.snap.now - w.phase_since, gpus_held=len(held), gpus_missing=missing)
+        return True
+
+    def _ready_memo(self, w: JobView, lw: Optional[tuple], node: str, need: int,
+                    pre: Optional[Preemption]) -> tuple:
+        """`_readiness`, kept per node for jobs of the same level and width until the round changes
+        that node (`ClusterState.touched`): with many nodes and many starving wide jobs, each
+        reservation would otherwise estimate every node again."""
+        cl = self.cl
+        if cl.residue:                      # the GPUs w fits on depend on w itself
+            return self._readiness(w, lw, node, need, pre)
+        touched = cl.touched
+        for k in range(self._seen, len(touched)):
+            self._last_touch[touched[k]] = k
+        self._seen = len(touched)
+        key = (node, lw, need)
+        hit = self._ready.get(key)
+        if hit is not None and hit[1] > self._last_touch.get(node, -1):
+            return hit[0]
+        value = self._readiness(w, lw, node, need, pre)
+        self._ready[key] = (value, len(touched))
+        return value
+
+    def _readiness(self, w: JobView, lw: Optional[tuple], node: str, need: int,
+                   pre: Optional[Preemption]) -> tuple:
+        """How soon `node` could give `w` its GPUs, from what a live policy knows (running jobs'
+        remaining time is not known): its free GPUs and those pauses in flight free now, then the
+        GPUs of jobs `w` could pause (preemptible, parkable, of a level above `w`'s) as their
+        protection ends. (When that is enough, the time; else never, and then the most GPUs
+        that way, the node name.)"""
+        free, pending = self.cl.pools_for(w)
+        have = len(free[node]) + len(pending[node])
+        now = self.snap.now
+        if have >= need:
+            return (now, -have, node)
+        lapses = self._lapses(w, lw, node, pre)
+        k = self._enough(lapses, need - have)
+        ready = max(lapses[k - 1][0], now) if k and sum(n for _, n, _ in lapses[:k]) >= need - have else float("inf")
+        return (ready, -(have + sum(n for _, n, _ in lapses)), node)
+
+    def _lapses(self, w: JobView, lw: Optional[tuple], node: str,
+                pre: Optional[Preemption]) -> list[tuple[float, int, str]]:
+        """The holders on `node` that `w` could pause, soonest unprotected first: (when, GPUs, id)."""
+        if lw is None:
+            return []
+        gone = pre.gone if pre is not None else ()
+        return [(t, n, vid) for t, lv, n, vid in self._parkable_on(pre).get(node, ()) if lw < lv and vid not in gone]
+
+    @staticmethod
+    def _enough(lapses: list[tuple[float, int, str]], missing: int) -> int:
+        """How many of `lapses`, in order, free `missing` GPUs (all of them if they cannot)."""
+        got = 0
+        for k, (_, n, _) in enumerate(lapses):
+            if got >= missing:
+                return k
+            got += n
+        return len(lapses)
+
+    def _parkable_on(self, pre: Optional[Preemption]) -> dict[str, list[tuple[float, tuple, int, str]]]:
+        """Per node, its running jobs that could be paused for someone: (when their protection
+        ends, level, GPUs, id), soonest first. Built once per round, on the first reservation."""
+        if self._parkable is None:
+            self._parkable = {}
+            snap, spec, ctx, cl = self.snap, self.spec, self.ctx, self.cl
+            jobs = [v for v in cl.running if v.preemptible and v.tiers]
+            levels = spec.running_levels(jobs, ctx) if spec.running_levels else [spec.level(v, ctx) for v in jobs]
+            unprotected = {v.id for v in pre.eligible_jobs} if pre is not None else set()
+            for v, lv in zip(jobs, levels):
+                why = None if v.id in unprotected else protection(v, snap)
+                if why is None:
+                    t = snap.now
+                elif "seconds_left" in why[2]:
+                    t = snap.now + why[2]["seconds_left"]
+                else:
+                    continue
+                self._parkable.setdefault(cl.job_node(v), []).append((t, lv, len(v.assigned), v.id))
+            for held in self._parkable.values():
+                held.sort(key=lambda e: (e[0], e[3]))
+        return self._parkable
