@@ -30,6 +30,7 @@ class Reservations:
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
         self._seen = 0
+        self._order: Optional[dict[str, tuple]] = None   # running job id -> its order key (fallback only)
 
     def take(self, w: JobView, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
         """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
@@ -58,12 +59,15 @@ class Reservations:
             return False
         node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need, pre))
         if self._ready_memo(w, lw, node, need, pre)[0] == float("inf"):
-            # No node can free its GPUs by the rules (free, coming free, holders it may pause once
-            # their protection ends): every holder there ranks ahead of it, and holding GPUs for it
-            # would only idle them while it waits its turn in the order. Such reservations were
-            # 99.6% of those made on a Philly window and cost 24% of the full trace's average JCT
-            # (simulator.md, "Reservations for wide jobs").
-            return False
+            # No node can free its GPUs by preemption alone. Reserve only where the jobs holding
+            # the rest rank behind it in the order (narrower, later or lower jobs, e.g. one that
+            # may not be paused): they end in time, and what frees must not go to jobs behind it.
+            # Where its GPUs are held by jobs that rank ahead of it, holding GPUs for it would
+            # only idle them while it waits its turn: such reservations were 99.6% of those made
+            # on a Philly window and cost 24% of the full trace's average JCT (simulator.md).
+            node = self._behind_node(w, lw, nodes, need, pre)
+            if node is None:
+                return False
         self.reserved[node] = w.id
         before = self.why.snapshot_pools(node) if self.why is not None else None
         missing = cl.reserve_for(w, node, need)
@@ -84,6 +88,26 @@ class Reservations:
                          f"(no job behind it may start or preempt into them)",
                          waited_s=self.snap.now - w.phase_since, gpus_held=len(held), gpus_missing=missing)
         return True
+
+    def _behind_node(self, w: JobView, lw: Optional[tuple], nodes: list[str], need: int,
+                     pre: Optional[Preemption]) -> Optional[str]:
+        """The node where free and coming-free GPUs, holders `w` may pause and holders that rank
+        behind `w` in the order together cover its need (the most such GPUs, then the name)."""
+        if self._order is None:             # the running jobs' order keys, once per round
+            order, ctx = self.spec.order, self.ctx
+            self._order = {v.id: order(v, ctx) for v in self.cl.running}
+        mine = self.spec.order(w, self.ctx)
+        free, pending = self.cl.pools_for(w)
+        best: Optional[tuple[int, str]] = None
+        for node in nodes:
+            pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
+            got = len(free[node]) + len(pending[node])
+            for v in self.cl.running:
+                if self.cl.job_node(v) == node and (v.id in pausable or self._order[v.id] > mine):
+                    got += len(v.assigned)
+            if got >= need and (best is None or (-got, node) < best):
+                best = (-got, node)
+        return None if best is None else best[1]
 
     def _ready_memo(self, w: JobView, lw: Optional[tuple], node: str, need: int,
                     pre: Optional[Preemption]) -> tuple:
