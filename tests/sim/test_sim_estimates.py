@@ -54,7 +54,10 @@ def test_every_estimate_equals_one_recomputed_from_the_runs_ended_before_its_sub
             assert j.estimate is None
             continue
         want = statistics.median(runs[-RECENT:])
-        assert (j.estimate.seconds, j.estimate.source, j.estimate.runs) == (want, source, len(runs[-RECENT:]))
+        # The history holds the run-seconds the simulator counted, summed over a job's runs between
+        # preemptions, so they may differ from the trace's duration in the last bits.
+        assert j.estimate.seconds == pytest.approx(want, rel=1e-9), (j.spec.id, j.estimate, want)
+        assert (j.estimate.source, j.estimate.runs) == (source, len(runs[-RECENT:]))
         seen += 1
     assert seen > 100
 
