@@ -1,6 +1,7 @@
 """Benchmark one policy decision with a deep queue: 10,000 waiting jobs on 64x8 GPUs.
 
     python bench/bench_decide.py [--policies gpuswap,las] [--waiting 10000] [--nodes 64] [--repeat 7]
+                                 [--class-floor SHARE]
 
 The goal (issue 15 item 6) is one decision in at most 20 ms. Each snapshot is built once, seeded,
 and decided `--repeat` times per policy; the table gives the fastest and the median, the number of
@@ -26,15 +27,15 @@ import platform
 import random
 import statistics
 import sys
-import time
 
 from gpuswap import policy
-from gpuswap.policy.model import GpuView, JobView, Phase, Snapshot
+from gpuswap.policy.model import GpuView, JobView, Phase, PolicyConfig, Snapshot
 
-from machine import cpu_model  # bench/machine.py: python puts bench/ first on sys.path
+from machine import cpu_model, timed  # bench/machine.py: python puts bench/ first on sys.path
 
 GiB = 1024**3
 NOW = 1e6
+CONFIG = [PolicyConfig()]    # --class-floor replaces it: the default floor lifts low jobs (policies.md)
 DISK = frozenset({"disk"})
 
 
@@ -111,21 +112,12 @@ def turnover(waiting: int, nodes: int, seed: int = 0) -> Snapshot:
 
 
 def _snapshot(nodes: int, jobs: list[JobView]) -> Snapshot:
-    return Snapshot(now=NOW, gpus=_gpus(nodes), jobs=tuple(jobs),
+    return Snapshot(now=NOW, gpus=_gpus(nodes), jobs=tuple(jobs), config=CONFIG[0],
                     ram_budget={f"n{k:03d}": 256 * GiB for k in range(nodes)},
                     usage={f"u{k}": k * 1e4 for k in range(40)})
 
 
 SCENARIOS = {"arrival": arrival, "free": free, "turnover": turnover}
-
-
-def timed(fn, repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        t0 = time.process_time()
-        fn()
-        out.append(time.process_time() - t0)
-    return out
 
 
 def reference_s(snap: Snapshot, repeat: int) -> float:
@@ -142,7 +134,10 @@ def main() -> int:
     p.add_argument("--waiting", type=int, default=10_000)
     p.add_argument("--nodes", type=int, default=64)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--class-floor", type=float, default=PolicyConfig().class_floor_share, metavar="SHARE",
+                   help="gpuswap's class floor share (0: none; the decisions of a snapshot change with it)")
     args = p.parse_args()
+    CONFIG[0] = PolicyConfig(class_floor_share=args.class_floor)
     rows, refs = [], {}
     for name in args.scenarios.split(","):
         if name not in SCENARIOS:
@@ -161,7 +156,8 @@ def main() -> int:
     from rich.table import Table
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    table = Table(title=(f"one decision, {args.waiting:,} waiting jobs on {args.nodes}x8 GPUs, {args.repeat} runs each\n"
+    table = Table(title=(f"one decision, {args.waiting:,} waiting jobs on {args.nodes}x8 GPUs, {args.repeat} runs each, "
+                         f"class floor {args.class_floor:g}\n"
                          f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
                          f"load average {load:.1f}; reference (sort the queue once): "
                          + ", ".join(f"{n} {r * 1e3:.2f} ms" for n, r in refs.items())))
@@ -171,7 +167,7 @@ def main() -> int:
         table.add_row(r["scenario"], r["policy"], str(r["decisions"]), f"{r['min_ms']:.1f}", f"{r['median_ms']:.1f}",
                       f"{r['x_reference']:.1f}", "yes" if r["median_ms"] <= 20 else "no")
     Console(width=160).print(table)
-    print(json.dumps({"machine": cpu_model(), "cores": os.cpu_count(), "load": load,
+    print(json.dumps({"machine": cpu_model(), "cores": os.cpu_count(), "load": load, "class_floor": args.class_floor,
                       "reference_ms": {n: r * 1e3 for n, r in refs.items()}, "rows": rows}))
     return 0
 

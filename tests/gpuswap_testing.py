@@ -231,6 +231,13 @@ class AsUser:
         """One raw API request as the user: (status code, JSON body)."""
         import httpx
 
+        # httpx imports httpcore, h11 and its backends only when it first connects, and the child
+        # cannot read /root: connect once here, as root, on a client of its own that is closed
+        # before the fork (the child's request goes on its own connection, with its own creds).
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
+                          base_url="http://x", timeout=60) as warm:
+            warm.get("/v1/health")
+
         def run() -> list[Any]:
             with httpx.Client(transport=httpx.HTTPTransport(uds=str(home / "gpuswap.sock")),
                               base_url="http://x", timeout=60) as c:
@@ -248,8 +255,15 @@ class AsUser:
         import contextlib
 
         from gpuswap.cli import main as cli_main, render, remote, slurm_wrap, top  # noqa: F401
-        # Everything the CLI imports is loaded before the switch (the user cannot read /root).
+        # Everything the CLI imports is loaded before the switch (the user cannot read /root),
+        # rich's lazily imported parts too: a table rendered once, here.
         cli_main.build_parser()
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("warm :smiley:", title="[bold]x[/bold]")
+        table.add_row("y")
+        Console(file=io.StringIO(), width=80).print(table)
 
         def run() -> list[Any]:
             os.environ["GPUSWAP_HOME"] = str(home)

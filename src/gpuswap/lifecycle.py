@@ -46,6 +46,7 @@ class EventKind(str, enum.Enum):
     SPILL_REQUESTED = "spill_requested"    # a RAM-parked job is to move to disk (policy or user)
     SPILLED = "spilled"
     SPILL_FAILED = "spill_failed"
+    REQUEUED = "requeued"                  # its pool node lost for good: back to its last disk checkpoint
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -101,6 +102,9 @@ EDGES: tuple[Edge, ...] = (
     Edge(PD, K.SPILL_REQUESTED, PD),
     Edge(PD, K.SPILLED, PD),
     Edge(PD, K.SPILL_FAILED, PD),
+    # A pool's node lost for good (docs/ray.md): a job of it whose last disk checkpoint is on storage
+    # other nodes reach goes back to that checkpoint, parked on disk, to resume on one of them.
+    *_each(STARTED, K.REQUEUED, PD, "its node lost for good; its last disk checkpoint is reachable elsewhere"),
     # A job with a process ends however it is moving: its exit is a fact, whatever was asked of it.
     *_each(STARTED, K.COMPLETED, COMPLETED),
     *_each(STARTED, K.FAILED, FAILED),
@@ -121,7 +125,7 @@ IMPLIED: dict[EventKind, tuple[Optional[str], Optional[str]]] = {
     K.RESUMED_RAM: ("ram", "cooperative"), K.RESTARTED_DISK: ("disk", "cooperative"),
     K.THAWED: ("ram", "transparent"), K.CANNOT_FREEZE: (None, "transparent"),
     K.SPILL_REQUESTED: ("disk", "cooperative"), K.SPILLED: ("disk", "cooperative"),
-    K.SPILL_FAILED: ("disk", "cooperative"),
+    K.SPILL_FAILED: ("disk", "cooperative"), K.REQUEUED: ("disk", "cooperative"),
 }
 
 

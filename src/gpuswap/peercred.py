@@ -7,7 +7,7 @@ import socket
 import struct
 from typing import NamedTuple
 
-_CREDS = struct.Struct("3i")     # struct ucred: pid, uid, gid
+_CREDS = struct.Struct("iII")    # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid and gid unsigned)
 
 
 class Peer(NamedTuple):

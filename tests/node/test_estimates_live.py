@@ -47,6 +47,21 @@ def test_submit_time_and_estimates_from_earlier_runs_show_where_they_came_from(d
     assert daemon.cli("wait", str(other), "--timeout", "120").returncode == 0
 
 
+def test_an_ended_job_has_its_final_run_time_when_wait_returns(daemon):
+    """A job's run time is written before its end is: one that exits between two of the
+    controller's ticks ran in that interval too (it used to be counted as 0 s, or counted after
+    `wait` had returned, so the next submission's estimate did not see it)."""
+    quick = _submit(daemon, "--name", "quick", "--", "true")
+    assert daemon.cli("wait", str(quick), "--timeout", "120").returncode == 0
+    ran = daemon.job(quick)["run_s"]
+    assert ran > 0
+    later = _submit(daemon, "--name", "quick", "--", "true")
+    rec, _ = _show(daemon, later)
+    assert (rec["estimate_s"], rec["estimate_from"], rec["estimate_runs"]) == (ran, "name", 1)
+    assert daemon.cli("wait", str(later), "--timeout", "120").returncode == 0
+    assert daemon.job(quick)["run_s"] == ran            # nothing was added after it was reported ended
+
+
 def test_a_job_with_nothing_to_learn_from_has_no_estimate(daemon):
     job = _submit(daemon, "--name", "alone", "--", "true")
     rec, text = _show(daemon, job)

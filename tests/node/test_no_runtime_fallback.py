@@ -46,26 +46,32 @@ def test_sigstop_fallback_stops_but_never_counts_memory_as_freed(make_daemon):
     d.state(urgent, "COMPLETED", timeout=20)
 
 
+# Attached, then no safepoint until the test opens its gate (slower than any --pause-timeout, for
+# as long as the test needs: no window of seconds), then steps of argv[2] seconds.
 SLOW_STEPS = """
-import sys, time, gpuswap
+import os, sys, time, gpuswap
 job = gpuswap.attach()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.05)
 for step in range(int(sys.argv[1])):
-    time.sleep(float(sys.argv[2]))
     job.safepoint(step)
+    time.sleep(float(sys.argv[2]))
 """
 
 
-def test_attached_but_slow_job_is_not_preempted_again_after_a_timeout(make_daemon):
+def test_attached_but_slow_job_is_not_preempted_again_after_a_timeout(make_daemon, home):
     """A runtime that is attached but slower between safepoints than --pause-timeout: the pause
     times out once, is withdrawn (the job does not park at its next safepoint anyway), and the
     job is never asked again, although its runtime keeps reporting (it used to loop
     PAUSING -> RUNNING "it will not be preempted" -> PAUSING ... on every tick)."""
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--pause-timeout", "2")
-    slow = d.submit([sys.executable, "-c", SLOW_STEPS, "4", "6"], name="slow", priority="low")
+    gate = Gate(home / "slow.go")
+    slow = d.submit([sys.executable, "-c", SLOW_STEPS, "4", "6", str(gate.path)], name="slow", priority="low")
     d.until(slow, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     j = d.until(slow, lambda j: any("cannot park" in e["reason"] for e in j["events"]), timeout=30)
     assert "no safepoint reached within 2 s" in j["reason"] and "will not be preempted" in j["reason"]
+    gate.open()
     d.until(slow, lambda j: (j["step"] or -1) >= 0, timeout=30)      # its next safepoint has passed
     time.sleep(1.5)
     j = d.job(slow)

@@ -261,3 +261,19 @@ def test_every_kind_the_observer_records_has_a_row():
     decided = {kind for *_, want in ROWS for _, kind, _, _ in want if kind is not None}
     assert decided == {K.CANCELLED, K.FAILED, K.COMPLETED, K.PARKED_DISK, K.SPILLED, K.RESTARTED_DISK, K.PARKED_RAM,
                        K.PARK_FAILED, K.CANNOT_PARK, K.SIGSTOPPED, K.SPILL_FAILED, K.RESUMED_RAM}
+
+
+@pytest.mark.parametrize("record", [job(node="n"), job(node="n", **PAUSING), job(node="n", **PARKED_RAM),
+                                    job(node="n", **PARKED_DISK, step=40), job(node="n", **RESUMING_DISK),
+                                    job(node="n", state=PD, stopped=True)],
+                         ids=["running", "pausing", "parked-ram", "parked-disk", "resuming-disk", "sigstopped"])
+def test_a_job_on_a_lost_node_ends_failed_with_its_exit_unknown(record):
+    from gpuswap.node.observe import node_lost
+    t = node_lost(record, "node n is lost", T)
+    assert t.event is not None and t.event.kind is K.FAILED and t.effects == ()   # its checkpoints are kept
+    assert t.event.text.startswith("node n is lost; how the job ended there is not known")
+    assert ("disk checkpoint (step 40) stays on that node" in t.event.text) == (record.step == 40)
+    lifecycle.check(record.state, t.event.kind, t.changes["state"])
+    after = _after(record, t)
+    assert after.state is JobState.FAILED and (after.exit_code, after.signal) == (None, None)
+    assert after.end_time == T and lifecycle.violations(after) == []

@@ -42,7 +42,9 @@ def expected(name: str) -> dict:
                                 ("hold_tier", None),
                                 # version 5: no --time and no estimate for jobs submitted before it
                                 ("time_limit_s", None), ("estimate_s", None), ("estimate_from", None),
-                                ("estimate_runs", 0)):
+                                ("estimate_runs", 0),
+                                # version 6: no pool node (docs/ray.md) for jobs of a single daemon
+                                ("node", None)):
             job.setdefault(column, default)
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             want["env"][str(job["id"])] = {}

@@ -1,8 +1,10 @@
 """Rules every policy shares: placement, no double-booking, in-flight pauses, minimum runtime."""
+from dataclasses import replace
+
 import pytest
 
 from gpuswap.jobs import Priority
-from gpuswap.policy import POLICIES, Pause, Phase, PolicyConfig, Resume, Spill, Start, SwitchCosts, decide
+from gpuswap.policy import POLICIES, Pause, Phase, PolicyConfig, Resume, Spill, Start, SwitchCosts, decide, decide_explained
 from policy_helpers import GiB, gpus, job, kinds, snap
 
 PREEMPTIVE = [p for p in POLICIES if p != "fifo"]
@@ -11,7 +13,6 @@ PREEMPTIVE = [p for p in POLICIES if p != "fifo"]
 def _with_remaining(jobs, policy):
     if policy != "srtf-oracle":
         return jobs
-    from dataclasses import replace
     return [replace(j, remaining_s=10.0 if j.priority == Priority.URGENT else 1e6) for j in jobs]
 
 
@@ -85,6 +86,24 @@ def test_ram_parked_job_resumes_only_on_its_node():
     assert decide(s, "fifo") == [Spill("p", "n0 is busy; moved to disk to resume on another node")]
     disk = job("p", Phase.PAUSED, parked="disk", parked_bytes=4 * GiB, node="n0", since=5)
     assert decide(snap(100, gpus(1, nodes=2), [disk, busy]), "fifo") == [Resume("p", (1,), "resumed on n1 GPU 1")]
+
+
+def test_a_disk_checkpoint_resumes_only_where_it_is_reachable():
+    """In a pool, JobView.disk_nodes: a checkpoint on its node's own disk resumes there alone (and
+    a RAM-parked job is not spilled to move where its checkpoint would not be reachable); on
+    storage both nodes share, on either."""
+    busy = job("b", Phase.RUNNING, assigned=(0,), preemptible=False)
+    for policy in ("fifo", "gpuswap"):
+        own = job("p", Phase.PAUSED, parked="disk", parked_bytes=4 * GiB, node="n0", since=5, disk_nodes=("n0",))
+        assert decide(snap(100, gpus(1, nodes=2), [own, busy]), policy) == [], policy
+        shared = replace(own, disk_nodes=("n0", "n1"))
+        assert decide(snap(100, gpus(1, nodes=2), [shared, busy]), policy) == [Resume("p", (1,), "resumed on n1 GPU 1")]
+        in_ram = job("p", Phase.PAUSED, parked="ram", parked_bytes=4 * GiB, node="n0", since=5, disk_nodes=("n0",))
+        assert decide(snap(100, gpus(1, nodes=2), [in_ram, busy]), policy) == [], policy
+        movable = replace(in_ram, disk_nodes=("n0", "n1"))
+        assert [type(d) for d in decide(snap(100, gpus(1, nodes=2), [movable, busy]), policy)] == [Spill], policy
+    _, why = decide_explained(snap(100, gpus(1, nodes=2), [replace(own, disk_nodes=("n2",)), busy]), "gpuswap")
+    assert why["p"].text == "its disk checkpoint is reachable only from n2, not in the pool now"
 
 
 def test_ram_budget_sends_victim_to_disk_and_spills_over_budget():

@@ -96,6 +96,9 @@ def test_a_starving_job_may_preempt_like_a_higher_class():
     starved = job("s", Phase.PAUSED, parked="disk", attained=20000, run_s=20000, since=1000, last_start=0)
     early = snap(20000, gpus(1), [victim, starved])          # waited 19,000 s < 2 x 20,000 s
     assert decide(early, "gpuswap") == []
-    late = snap(41001, gpus(1), [victim, starved])           # waited 40,001 s: starving
+    # waited 40,001 s: starving. (The victim has run since it came, 5,000 s ago: it has not
+    # starved itself, which would spare it from a promotion; test_policy_promotion.py.)
+    victim = job("v", Phase.RUNNING, assigned=(0,), submit=36001, since=36001, attained=5000, run_s=5000)
+    late = snap(41001, gpus(1), [victim, starved])
     out = decide(late, "gpuswap")
     assert kinds(out) == [("Pause", "v")]

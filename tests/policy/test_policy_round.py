@@ -67,6 +67,31 @@ def test_gpuswap_benefit_reads_the_waiting_job_only_through_its_benefit_rank():
     assert 0 < seen < 400       # both answers were exercised
 
 
+def test_gpuswap_lifted_jobs_share_a_benefit_rank_and_its_answers():
+    """Lifted jobs (their class under its floor) rank alike whatever their estimates and service,
+    so a round plans once per width for them; their gate must then answer alike for every victim."""
+    from gpuswap.policy.classes import Limits
+
+    spec = SPECS["gpuswap"]
+    rng = random.Random(13)
+    seen = 0
+    for trial in range(300):
+        prio = rng.choice([Priority.LOW, Priority.NORMAL])
+        w1 = job("w1", Phase.PENDING, prio=prio, attained=rng.uniform(0, 1e5), run_s=rng.uniform(0, 1e4),
+                 since=rng.uniform(0, 1e5), estimate_s=rng.choice([None, rng.uniform(1, 1e5)]))
+        w2 = job("w2", Phase.PAUSED, prio=prio, attained=rng.uniform(0, 1e5), run_s=rng.uniform(1, 1e4),
+                 since=rng.uniform(0, 1e5), estimate_s=rng.choice([None, rng.uniform(1, 1e5)]))
+        v = job("v", Phase.RUNNING, prio=rng.choice(list(Priority)), assigned=(0,), attained=rng.uniform(0, 2e5))
+        protected = frozenset({"v"}) if rng.random() < 0.3 else frozenset()
+        lim = Limits(lifted=frozenset({"w1", "w2"}), protected=protected, floor_gpus=2)
+        ctx = Ctx(1e5, PolicyConfig(), SwitchCosts(), {"u": 1e4}, lim)
+        assert spec.benefit_rank(w1, ctx) == spec.benefit_rank(w2, ctx)
+        cost = rng.choice([0.5, 50.0, 5e3])
+        assert spec.benefit_ok(w1, v, ctx, cost) == spec.benefit_ok(w2, v, ctx, cost)
+        seen += spec.benefit_ok(w1, v, ctx, cost)
+    assert 0 < seen < 300       # both answers were exercised
+
+
 def test_a_full_cluster_nobody_may_be_preempted_on_decides_as_the_whole_round_would():
     """On a full cluster where no waiting job's level is below every victim's, `decide` skips the
     round (`Spec.none_below`); `decide_explained` always runs it. Both must decide alike, and the
@@ -93,3 +118,70 @@ def test_a_full_cluster_nobody_may_be_preempted_on_decides_as_the_whole_round_wo
             skipped[name] += top is not None and spec.none_below(cl.waiting, ctx, top)
             assert decide(s, name) == decide_explained(s, name)[0], (trial, name)
     assert all(skipped.values()) and not all(v == 60 for v in skipped.values()), skipped
+
+
+def test_below_is_the_waiting_jobs_of_a_level_under_the_bound():
+    """`Spec.below` gives exactly the jobs whose level is below the bound, in their order, for
+    every policy that has one (gpuswap with and without class limits)."""
+    from gpuswap.policy.classes import Limits
+
+    rng = random.Random(17)
+    now = 1e5
+    for trial in range(40):
+        jobs = [job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), prio=rng.choice(list(Priority)),
+                    gpus=rng.choice([1, 2, 4]), attained=rng.choice([0.0, 3e3, 5e4, 4e5, rng.uniform(0, 1e6)]),
+                    run_s=rng.choice([0.0, 1e3, 1e5]), since=now - rng.uniform(0, 5e4), submit=rng.uniform(0, now),
+                    remaining_s=rng.uniform(1, 1e4)) for i in range(60)]
+        lims = [None, Limits(base={"w1": 1}, lifted=frozenset({"w2", "w3"}), protected=frozenset({"w4"}),
+                             floor_gpus=2, head=frozenset({"w5"}))]
+        for name, spec in SPECS.items():
+            if spec.below is None:
+                continue
+            for lim in lims if name == "gpuswap" else [None]:
+                ctx = Ctx(now, PolicyConfig(), SwitchCosts(), {"u": 1e4}) if lim is None else \
+                    Ctx(now, PolicyConfig(), SwitchCosts(), {"u": 1e4}, lim)
+                levels = [spec.level(j, ctx) for j in jobs]
+                for bound in set(levels):
+                    assert spec.below(jobs, ctx, bound) == [j for j, lv in zip(jobs, levels) if lv < bound], \
+                        (trial, name, bound)
+
+
+def test_a_full_cluster_decides_as_the_whole_round_would_with_ram_parked_jobs():
+    """On a full cluster the round orders only the jobs below the highest victim's level and the
+    RAM-parked ones (`_Round._waiting`); `decide_explained` orders them all. Both decide alike,
+    with pauses, spills of RAM-parked jobs and reservations among the decisions."""
+    from gpuswap.policy import decide_explained
+
+    rng = random.Random(23)
+    paused = 0
+    for trial in range(80):
+        now = 1e5
+        nodes, per = 3, 4
+        running, g = [], 0
+        while g < nodes * per:
+            width = min(rng.choice([1, 1, 2, 4]), per - g % per)
+            running.append(job(f"r{g}", Phase.RUNNING, prio=rng.choice([Priority.LOW, Priority.NORMAL, Priority.HIGH]),
+                               gpus=width, assigned=tuple(range(g, g + width)), since=now - rng.uniform(0, 3000),
+                               attained=rng.choice([0.0, 900.0, 5e4, 2e5]), run_s=1000.0,
+                               remaining_s=rng.uniform(1, 1e4), mem_gib=rng.choice([4, 40]),
+                               tiers=frozenset({"ram", "disk"})))
+            g += width
+        waiting = []
+        for i in range(rng.choice([5, 30, 80])):
+            ram = rng.random() < 0.3
+            waiting.append(job(f"w{i}", Phase.PAUSED if ram or rng.random() < 0.3 else Phase.PENDING,
+                               prio=rng.choice(list(Priority)), gpus=rng.choice([1, 1, 2, 4]),
+                               attained=rng.choice([0.0, 3e3, 5e4, 4e5]), run_s=rng.choice([0.0, 1e3, 1e5]),
+                               since=now - rng.uniform(0, 5e3), submit=rng.uniform(0, now),
+                               remaining_s=rng.uniform(1, 1e4), mem_gib=rng.choice([4, 40]),
+                               parked="ram" if ram else None, node=f"n{rng.randrange(nodes)}" if ram else None,
+                               parked_bytes=int(40 * 1024**3) if ram else 0, tiers=frozenset({"ram", "disk"})))
+        budget = {f"n{k}": rng.choice([100, 200, 400]) * 1024**3 for k in range(nodes)}
+        s = snap(now, gpus(per, nodes=nodes), running + waiting, ram_budget=budget)
+        for name, spec in SPECS.items():
+            if spec.below is None:
+                continue
+            out = decide(s, name)
+            assert out == decide_explained(s, name)[0], (trial, name)
+            paused += any(isinstance(d, Pause) for d in out)
+    assert paused > 20, paused

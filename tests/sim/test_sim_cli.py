@@ -105,6 +105,20 @@ def test_reserve_after_reaches_the_policy_and_the_summary(tmp_path, capsys):
     assert p.returncode == 64 and "--reserve-after" in p.stderr and p.stdout == "", p.stderr
 
 
+def test_promotion_takes_starved_reaches_the_policy_config_and_the_summary(tmp_path, capsys):
+    """gpuswap's promotion rule (policies.md, rule 4): on by default, `--promotion-takes-starved`
+    gives the old one; summary.json records which ran."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("submit,duration,gpus\n0,10,1\n")
+    assert cli.policy_config(parse(["--trace", str(trace)])).promotion_spares_starved is True
+    args = parse(["--trace", str(trace), "--promotion-takes-starved"])
+    assert cli.policy_config(args).promotion_spares_starved is False
+    for argv, recorded in (([], True), (["--promotion-takes-starved"], False)):
+        out = tmp_path / str(recorded)
+        assert cli.run(parse(["--trace", str(trace), "--nodes", "1", "--out", str(out), *argv])) == 0
+        assert json.loads((out / "summary.json").read_text())["_meta"]["promotion_spares_starved"] is recorded
+
+
 def test_compare_writes_summary_and_plots(tmp_path, capsys):
     trace = tmp_path / "t.csv"
     trace.write_text("submit,duration,gpus,user\n" + "".join(

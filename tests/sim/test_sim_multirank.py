@@ -87,8 +87,9 @@ PINNED = {
 
 
 # The pins predate cost-aware protection (issue 15): they are reproduced, to the bit, by its
-# documented stand-in for the old rule -- a fixed 60 s for every job (protect_multiple 0).
-OLD_PROTECTION = PolicyConfig(min_runtime_s=60.0, protect_multiple=0.0)
+# documented stand-in for the old rule -- a fixed 60 s for every job (protect_multiple 0) -- and,
+# for gpuswap, by its old promotion rule (a promoted job may pause a job that has starved as long).
+OLD_PROTECTION = PolicyConfig(min_runtime_s=60.0, protect_multiple=0.0, promotion_spares_starved=False)
 
 
 @pytest.mark.parametrize("cost, policy", sorted(PINNED))

@@ -57,6 +57,7 @@ def test_metrics_reflect_preemption_and_survive_restart(preempted):
         for s in ("free", "running", "resuming", "pausing", "stopped")}
     assert m[("gpuswap_gpu_jobs", (("gpu", "0"),))] == 1
     assert not [k for k in m if any(label == "job_id" for label, _ in k[1])]
+    assert not [k for k in m if k[0].startswith("gpuswap_node_")]     # one machine: no pool's node series
     assert m[("gpuswap_gpu_memory_total_bytes", (("gpu", "0"), ("simulated", "true")))] == 80 * 2**30
     key = ("gpuswap_preemptions_total", (("mechanism", "cooperative"), ("tier", "ram")))
     assert m[key] == 1

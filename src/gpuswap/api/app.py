@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse, Response
 
 import gpuswap
 from gpuswap.api import schema, storage_errors
-from gpuswap.api.auth import Authorizer, Caller
+from gpuswap.api.auth import ORIGIN_KEY, Authorizer, Caller
+from gpuswap.api.joblog import log_path, read_log
 from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_headers
-from gpuswap.api.overview import gpu_used, kept_on
+from gpuswap.api.overview import gpu_used, holders_of, kept_on, ram_budget, ram_by_node
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap import lifecycle
@@ -58,6 +59,18 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             raise HTTPException(404, f"no job {job_id}")
         return job
 
+    def working_dir_problem(request: Request, cwd: str, who: Caller) -> Optional[str]:
+        """Checked as the caller, by the kernel, on the machine they submitted from: this one, or
+        the pool node whose socket forwarded the request (api/forwarded.py)."""
+        origin = request.scope.get(ORIGIN_KEY)
+        if origin is None:
+            return cwd_problem(cwd, who.uid, who.gid)
+        try:
+            return controller.pool.on(origin).cwd_problem(cwd, who.uid, who.gid)
+        except Exception as e:
+            raise HTTPException(503, f"cannot check the working directory on node {origin}: "
+                                     f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
+
     def wait_for(job_id: int, done: Any, timeout: float) -> JobRecord:
         """Block until `done(job)` or timeout; the controller notifies after every tick."""
         deadline = time.monotonic() + min(timeout, MAX_WAIT_S)
@@ -76,22 +89,27 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                 "simulated": gpus.simulated, "gpus": gpus.describe(), "policy": controller.config.policy}
 
     @app.post("/v1/jobs", status_code=201)
-    def submit(req: SubmitRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+    def submit(req: SubmitRequest, request: Request, who: Caller = Depends(caller)) -> dict[str, Any]:
         try:
             prio = Priority.parse(req.priority)
             mem = parse_size(str(req.mem)) if req.mem is not None else 0
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         devices = gpus.list()
-        if req.gpus > len(devices):
-            raise HTTPException(400, f"asks for {req.gpus} GPUs; this node has {len(devices)}")
+        per_node: dict[Optional[str], int] = {}
+        for d in devices:
+            per_node[d.node] = per_node.get(d.node, 0) + 1
+        most = max(per_node.values(), default=0)
+        if req.gpus > most:      # a job runs on one node (a pool's GPUs name theirs)
+            raise HTTPException(400, f"asks for {req.gpus} GPUs; this node has {most}" if None in per_node or
+                                not per_node else f"asks for {req.gpus} GPUs; the largest node of the pool has {most}")
         if mem and devices and mem > max(d.mem_total for d in devices):
             raise HTTPException(400, f"asks for {format_size(mem)} per GPU; the largest GPU here has "
                                      f"{format_size(max(d.mem_total for d in devices))}")
         if who.uid != os.geteuid() and os.geteuid() != 0:
             raise HTTPException(403, "this daemon does not run as root, so it can only run jobs as "
                                      "its own user; ask an admin to run `gpuswap server` as root")
-        problem = cwd_problem(req.cwd, who.uid, who.gid)   # checked as the caller, by the kernel
+        problem = working_dir_problem(request, req.cwd, who)
         if problem:
             raise HTTPException(400, problem)
         name = req.name or os.path.basename(req.argv[0])
@@ -126,7 +144,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))
     def show(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
         job = own_job(job_id, who)
-        return record(job, store.events(job_id), str(launcher.log_path(job_id)))
+        return record(job, store.events(job_id), log_path(controller.pool, job, launcher))
 
     @app.get("/v1/jobs/{job_id}/wait", responses=errors(e404=NO_JOB))
     def wait(job_id: JobId, timeout: float = Query(MAX_WAIT_S, ge=0, le=86400),
@@ -140,14 +158,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
               "(at most 1 MiB); headers X-Next-Offset and X-Job-State"}, **errors(e404=NO_JOB)})
     def logs(job_id: JobId, offset: int = Query(0, ge=0, le=2**62), who: Caller = Depends(caller)) -> Response:
         job = own_job(job_id, who)
-        data = b""
-        try:
-            with open(launcher.log_path(job_id), "rb") as f:
-                if offset < os.fstat(f.fileno()).st_size:   # seeking far past the end is EINVAL (a 500)
-                    f.seek(offset)
-                    data = f.read(LOG_CHUNK)
-        except FileNotFoundError:
-            pass
+        data = read_log(controller.pool, job, offset, LOG_CHUNK)
         return Response(data, media_type="application/octet-stream",
                         headers={"X-Next-Offset": str(offset + len(data)),
                                  "X-Job-State": job.state.value})
@@ -231,16 +242,13 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     def list_gpus(who: Caller = Depends(caller)) -> dict[str, Any]:
         devices = gpus.list()
         live = store.list(live_only=True)
-        holders: dict[int, list[JobRecord]] = {}
-        for j in live:
-            for g in j.assigned:
-                holders.setdefault(g, []).append(j)
+        holders = holders_of(live)
         kept = kept_on(live)       # RAM-parked jobs' residue: listed on its GPU, counted as used
         now = time.time()
         out = []
         for g in devices:
-            jobs = holders.get(g.index, [])
-            here = kept.get(g.index, [])
+            jobs = holders.get((g.node, g.index), [])
+            here = kept.get((g.node, g.index), [])
             used = gpu_used(g.mem_used, jobs, sum(n for _, n in here))
             out.append(gpu_record(g, used, [
                 {"id": j.id, "state": j.state.value, "user": j.user if who.may_act_on(j.uid) else "(other)",
@@ -248,9 +256,10 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                  "residue_bytes": n}
                 for j, n in [(j, 0) for j in jobs] + here]))
         parked_ram = sum(j.parked_bytes for j in live if j.parked == "ram")
-        cap = controller.driver.capability
+        ram_nodes = ram_by_node(controller, devices, live)      # a pool's: each node parks in its own RAM
+        cap = controller.capability
         return {"simulated": gpus.simulated, "description": gpus.describe(), "gpus": out,
-                "ram_budget": controller.config.ram_budget, "ram_parked": parked_ram,
+                "ram_budget": ram_budget(controller, ram_nodes), "ram_parked": parked_ram, "ram_nodes": ram_nodes,
                 "policy": controller.config.policy,
                 "transparent": {"available": cap.available, "description": cap.reason, "driver": cap.driver,
                                 "bindings": cap.bindings, "migration": cap.migration,

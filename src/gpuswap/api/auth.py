@@ -18,6 +18,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gpuswap import peercred
 
 SCOPE_KEY = "gpuswap.peer"
+# The pool node whose socket a forwarded request came in on (api/forwarded.py); absent: this machine.
+ORIGIN_KEY = "gpuswap.origin"
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,20 @@
-"""The CLI's side of the API: HTTP over the daemon's Unix socket, errors as one-line exceptions."""
+"""The CLI's side of the API: HTTP over the daemon's Unix socket, errors as one-line exceptions.
+
+The Unix socket is spoken with the standard library's http.client: every CLI call starts a new
+interpreter, and importing httpx (with what it pulls in where installed: click, rich, pygments,
+trio) cost ~0.12 s of CPU per call against ~0.02 s for http.client. Remote access over TCP
+($GPUSWAP_URL) keeps httpx, for its TLS trust store and its proxy settings from the environment."""
 from __future__ import annotations
 
+import http.client
+import json
 import os
-import ssl
+import select
+import socket
+import threading
 from pathlib import Path
-from typing import Any, Optional
-
-import httpx
+from typing import Any, Mapping, Optional
+from urllib.parse import urlencode
 
 from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.protocol import env as envvars
@@ -31,14 +39,112 @@ def default_home() -> Path:
     return Path.home() / ".gpuswap"
 
 
+def client_home() -> Path:
+    """Where the CLI finds its daemon: default_home(), or on a pool node with no daemon of its own
+    its gpuswap agent's socket (docs/ray.md; the agent forwards to the pool's head)."""
+    home = default_home()
+    if os.environ.get(envvars.HOME) or (home / "gpuswap.sock").exists():
+        return home
+    node = SYSTEM_HOME / "node"           # node/agent.py's default state directory
+    return node if (node / "gpuswap.sock").exists() else home
+
+
+class Response:
+    """An answer read whole: what callers use of httpx.Response (status_code, headers, content,
+    text, json()). `headers` is case-insensitive, as HTTP headers are."""
+
+    def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes):
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+class _Unavailable(Exception):
+    """No daemon took the connection."""
+
+
+class _Timeout(Exception):
+    """The daemon took the connection but did not answer in time."""
+
+
+class _UnixSocket:
+    """HTTP/1.1 over a Unix socket, one kept-alive connection per thread (tests share a client
+    between threads). A kept connection the daemon has closed meanwhile (its idle timeout, a
+    restart) is found readable before reuse and replaced, as httpcore does; only a GET that
+    meets one closed just then is sent again, so nothing that changes state is ever sent twice."""
+
+    def __init__(self, path: Path, timeout: float):
+        self.path, self.timeout = str(path), timeout
+        self._local = threading.local()
+
+    def _connect(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it is one kept from an earlier request."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and conn.sock is not None and not _readable(conn.sock):
+            return conn, True
+        self.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except socket.timeout:
+            sock.close()
+            raise _Timeout() from None
+        except OSError:     # absent, refused, or its listen backlog full (EAGAIN)
+            sock.close()
+            raise _Unavailable() from None
+        conn = http.client.HTTPConnection("gpuswap", timeout=self.timeout)
+        conn.sock = sock
+        self._local.conn = conn
+        return conn, False
+
+    def send(self, method: str, url: str, body: Optional[bytes], headers: dict[str, str]) -> Response:
+        conn, kept = self._connect()
+        try:
+            conn.request(method, url, body=body, headers=headers)
+            r = conn.getresponse()
+            content = r.read()
+        except BaseException as e:
+            self.close()
+            # The daemon closed the kept connection between the check above and the request (its
+            # idle timeout): a GET changes nothing, so it goes once more, on a new connection.
+            if kept and method == "GET" and isinstance(e, (BrokenPipeError, ConnectionResetError)):
+                return self.send(method, url, body, headers)
+            raise
+        if r.will_close:
+            self.close()
+        return Response(r.status, r.headers, content)
+
+    def close(self) -> None:
+        """Closes this thread's connection (each thread's goes with its thread)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """True if an idle connection has something to read: EOF (the daemon closed it) or stray bytes."""
+    poller = select.poll()          # not select(): it fails on descriptors past 1023
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class Client:
     """The Unix socket of `home`; or, with no home given and $GPUSWAP_URL set, TCP with $GPUSWAP_TOKEN."""
 
     def __init__(self, home: Optional[Path] = None, timeout: float = 60.0):
-        self.home = home or default_home()
+        self.home = home or client_home()
         self.sock: Any = self.home / "gpuswap.sock"
         url = os.environ.get(envvars.URL, "").strip() if home is None else ""
         self.remote = bool(url)
+        self._http: Any = None
+        self._uds: Optional[_UnixSocket] = None
         if url:
             if not url.startswith(("http://", "https://")):
                 raise ClientError(f"{envvars.URL}={url!r} is not an http:// URL", EX_USAGE)
@@ -46,37 +152,75 @@ class Client:
             if not token:
                 raise ClientError(f"{envvars.URL} is set but {envvars.TOKEN} is not; create a token with "
                                   "`gpuswap token create` on the server", EX_USAGE)
+            import httpx
+
             self.sock = url.rstrip("/")
             self._http = httpx.Client(base_url=self.sock, timeout=timeout,
                                       headers={"Authorization": f"Bearer {token}"})
             return
-        # A Unix socket carries no TLS, so the transport gets an empty TLS context instead of the
-        # default one, whose CA bundle took 0.15 s of every CLI call to load (and would verify nothing).
-        uds = httpx.HTTPTransport(uds=str(self.sock), verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
-        self._http = httpx.Client(transport=uds, base_url="http://gpuswap", timeout=timeout)
+        self._uds = _UnixSocket(self.sock, timeout)
 
     def close(self) -> None:
-        self._http.close()
+        if self._http is not None:
+            self._http.close()
+        if self._uds is not None:
+            self._uds.close()
 
-    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def request(self, method: str, path: str, params: Optional[Mapping[str, Any]] = None,
+                json: Any = None) -> Any:
+        """The daemon's answer (a Response, or an httpx.Response over TCP); ClientError for no
+        answer or an error status."""
         try:
-            r = self._http.request(method, path, **kw)
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
+            r = self._send(method, path, params, json)
+        except _Unavailable:
             hint = (f"check {envvars.URL}, and that the server runs with --listen" if self.remote
                     else "start one with `gpuswap server`, or set GPUSWAP_HOME")
             raise ClientError(f"no gpuswap daemon is listening on {self.sock} ({hint})", EX_UNAVAILABLE) from None
-        except httpx.TimeoutException:
+        except _Timeout:
             raise ClientError(f"the gpuswap daemon on {self.sock} did not answer in time", EX_UNAVAILABLE) from None
-        except httpx.TransportError as e:
+        except OSError as e:
             raise ClientError(f"lost the connection to the gpuswap daemon: {e}", EX_UNAVAILABLE) from None
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
-            except ValueError:
+            except (ValueError, AttributeError):
                 detail = r.text
-            code = EX_USAGE if r.status_code in (400, 422) else EX_FAILURE
+            # 503/504: a pool node's agent whose head is away or late, or a node the head cannot reach.
+            code = (EX_USAGE if r.status_code in (400, 422) else
+                    EX_UNAVAILABLE if r.status_code in (503, 504) else EX_FAILURE)
             raise ClientError(str(detail), code)
         return r
+
+    def _send(self, method: str, path: str, params: Optional[Mapping[str, Any]], body: Any) -> Any:
+        if self._uds is None:
+            return self._send_tcp(method, path, params, body)
+        url = f"{path}?{urlencode(params)}" if params else path
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            return self._uds.send(method, url, data, headers)
+        except socket.timeout:
+            raise _Timeout() from None
+        except http.client.HTTPException as e:   # a closed connection, a malformed answer
+            raise OSError(str(e) or type(e).__name__) from None
+
+    def _send_tcp(self, method: str, path: str, params: Optional[Mapping[str, Any]], body: Any) -> Any:
+        import httpx
+
+        kw: dict[str, Any] = {} if params is None else {"params": params}
+        if body is not None:
+            kw["json"] = body
+        try:
+            return self._http.request(method, path, **kw)
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
+            raise _Unavailable() from None
+        except httpx.TimeoutException:
+            raise _Timeout() from None
+        except httpx.TransportError as e:
+            raise OSError(str(e)) from None
 
     def get(self, path: str, **kw: Any) -> Any:
         return self.request("GET", path, **kw).json()

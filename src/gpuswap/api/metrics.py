@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 import gpuswap
-from gpuswap.api.overview import gpu_used, kept_on
+from gpuswap.api.overview import gpu_used, kept_on, ram_budget, ram_by_node
 from gpuswap.jobs import ENDED, JobState, Priority
 from gpuswap.lifecycle import EventKind
 from gpuswap.node.controller import Controller
@@ -175,6 +175,7 @@ class GpuswapCollector(Collector):
         yield info
         yield from self._gpus(live)
         yield from self._jobs(live)
+        yield from self._nodes(live)
         yield from self._fold()
 
     def _gpus(self, live: list) -> Iterator[object]:
@@ -187,14 +188,15 @@ class GpuswapCollector(Collector):
         jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu"])
         kept = kept_on(live)
         for g in self.gpus.list():
-            holders = [j for j in live if g.index in j.assigned]
-            lab = [str(g.index), str(g.simulated).lower()]
+            holders = [j for j in live if j.node == g.node and g.index in j.assigned]
+            name = str(g.index) if g.node is None else f"{g.node}:{g.index}"    # a pool's: node:index
+            lab = [name, str(g.simulated).lower()]
             total.add_metric(lab, g.mem_total)
-            used.add_metric(lab, gpu_used(g.mem_used, holders, sum(n for _, n in kept.get(g.index, []))))
+            used.add_metric(lab, gpu_used(g.mem_used, holders, sum(n for _, n in kept.get((g.node, g.index), []))))
             now = gpu_state(holders)
             for s in GPU_STATES:
-                state.add_metric([str(g.index), s], 1 if s == now else 0)
-            jobs.add_metric([str(g.index)], sum(1 for j in holders if j.holds_gpu))
+                state.add_metric([name, s], 1 if s == now else 0)
+            jobs.add_metric([name], sum(1 for j in holders if j.holds_gpu))
         yield from (total, used, state, jobs)
 
     def _jobs(self, live: list) -> Iterator[object]:
@@ -212,13 +214,36 @@ class GpuswapCollector(Collector):
         for t, n in parked.items():
             tier.add_metric([t], n)
         yield tier
-        yield GaugeMetricFamily("gpuswap_ram_budget_bytes", "host RAM parked jobs may hold",
-                                value=self.controller.config.ram_budget)
+        yield GaugeMetricFamily("gpuswap_ram_budget_bytes", "host RAM parked jobs may hold (a pool: all nodes')",
+                                value=ram_budget(self.controller, ram_by_node(self.controller, self.gpus.list(), live)))
         usage = GaugeMetricFamily("gpuswap_fair_share_usage_gpu_seconds",
                                   "decayed GPU-seconds per user (fair share)", labels=["user"])
         for u, v in sorted(dict(self.controller.usage).items()):
             usage.add_metric([u], v)
         yield usage
+
+    def _nodes(self, live: list) -> Iterator[object]:
+        """A pool's nodes (docs/ray.md): GPUs each lists now and live jobs placed on each, by state.
+        Nothing on one machine (its GPUs and jobs carry no node), so its scrape is as it was. A
+        node that does not answer lists no GPUs here while its jobs still count on it."""
+        devices = self.gpus.list()
+        nodes = sorted({g.node for g in devices if g.node is not None} | {j.node for j in live if j.node is not None})
+        if not nodes:
+            return
+        gpus = GaugeMetricFamily("gpuswap_node_gpus", "GPUs a pool's node lists now (0: it does not answer)",
+                                 labels=["node"])
+        jobs = GaugeMetricFamily("gpuswap_node_jobs", "live jobs placed on a pool's node, by state",
+                                 labels=["node", "state"])
+        for n in nodes:
+            gpus.add_metric([n], sum(1 for g in devices if g.node == n))
+            for s in JobState:
+                if not s.terminal and s is not JobState.PENDING:
+                    jobs.add_metric([n, s.value], sum(1 for j in live if j.node == n and j.state is s))
+        ram = GaugeMetricFamily("gpuswap_node_ram_budget_bytes", "host RAM parked jobs may hold on a pool's node",
+                                labels=["node"])
+        for r in ram_by_node(self.controller, devices, live):
+            ram.add_metric([r["node"]], r["budget"])
+        yield from (gpus, jobs, ram)
 
     def _fold(self) -> Iterator[object]:
         f = self.fold

@@ -1,13 +1,13 @@
 """`GET /v1/overview`: the whole picture in one record, for the dashboard and `gpuswap top`.
 
-GPUs with memory and holders, every live job (others' jobs show owner, state, priority and where
+GPUs with memory and holders (each with its `node` in a pool, None on one machine), every live job (others' jobs show owner, state, priority and where
 they are parked, but not their name or command, and are never actionable), the caller's recent
 finished jobs, the host-RAM budget, bytes parked per tier and fair-share standing per user.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 from gpuswap.api.auth import Caller
 from gpuswap.api.views import residue_rows, wait_fields
@@ -26,7 +26,7 @@ def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dic
     return {
         "id": j.id, "name": j.name if mine else "", "user": j.user, "mine": mine,
         "state": j.state.value, "ended": j.state.terminal, "priority": Priority(j.priority).label, "preemptible": j.preemptible,
-        "gpus": j.gpus, "assigned_gpus": j.assigned or j.home_gpus, "tier": j.parked,
+        "gpus": j.gpus, "assigned_gpus": j.assigned or j.home_gpus, "node": j.node, "tier": j.parked,
         "mechanism": j.mechanism if j.parked else None,
         "parked_bytes": j.parked_bytes, "device_bytes": j.device_bytes or j.mem_bytes,
         "residue": residue_rows(j),
@@ -47,12 +47,35 @@ def gpu_used(mem_used: int | None, holders: list[JobRecord], kept: int = 0) -> i
     return sum((j.device_bytes or j.mem_bytes) for j in holders if j.holds_gpu) + kept
 
 
-def kept_on(live: list[JobRecord]) -> dict[int, list[tuple[JobRecord, int]]]:
-    """GPU -> (job, bytes) of the jobs parked in RAM by their runtime that keep memory on it."""
-    out: dict[int, list[tuple[JobRecord, int]]] = {}
+def kept_on(live: list[JobRecord]) -> dict[tuple[Optional[str], int], list[tuple[JobRecord, int]]]:
+    """(node, GPU) -> (job, bytes) of the jobs parked in RAM by their runtime that keep memory on
+    it; node None on a single daemon (a GPU is known by its node and index: node/pool.py)."""
+    out: dict[tuple[Optional[str], int], list[tuple[JobRecord, int]]] = {}
     for j in live:
         for g, n in kept_now(j).items():
-            out.setdefault(g, []).append((j, n))
+            out.setdefault((j.node, g), []).append((j, n))
+    return out
+
+
+def ram_by_node(controller: Controller, devices: list, live: list[JobRecord]) -> list[dict[str, Any]]:
+    """A pool's nodes' host-RAM budgets for parked jobs and what is parked on each (one machine: none,
+    its one budget is the daemon's)."""
+    nodes = sorted({d.node for d in devices if d.node is not None})
+    return [{"node": n, "budget": controller.pool.ram_budget(n, controller.config.ram_budget),
+             "parked": sum(j.parked_bytes for j in live if j.parked == "ram" and j.node == n)} for n in nodes]
+
+
+def ram_budget(controller: Controller, nodes: list[dict[str, Any]]) -> int:
+    """The daemon's budget, or a pool's: its nodes' together."""
+    return sum(n["budget"] for n in nodes) if nodes else controller.config.ram_budget
+
+
+def holders_of(live: list[JobRecord]) -> dict[tuple[Optional[str], int], list[JobRecord]]:
+    """(node, GPU) -> the jobs holding it."""
+    out: dict[tuple[Optional[str], int], list[JobRecord]] = {}
+    for j in live:
+        for g in j.assigned:
+            out.setdefault((j.node, g), []).append(j)
     return out
 
 
@@ -61,16 +84,14 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
     now = time.time() if now is None else now
     devices = gpus.list()
     live = store.list(live_only=True)
-    holders: dict[int, list[JobRecord]] = {}
-    for j in live:
-        for g in j.assigned:
-            holders.setdefault(g, []).append(j)
+    holders = holders_of(live)
     kept = kept_on(live)
     gpu_rows = [{
-        "index": g.index, "name": g.name, "simulated": g.simulated, "mem_total": g.mem_total,
-        "mem_used": gpu_used(g.mem_used, holders.get(g.index, []), sum(n for _, n in kept.get(g.index, []))),
-        "jobs": [j.id for j in holders.get(g.index, [])],
-        "residue": [{"job": j.id, "bytes": n} for j, n in kept.get(g.index, [])],
+        "index": g.index, "node": g.node, "name": g.name, "simulated": g.simulated, "mem_total": g.mem_total,
+        "mem_used": gpu_used(g.mem_used, holders.get((g.node, g.index), []),
+                             sum(n for _, n in kept.get((g.node, g.index), []))),
+        "jobs": [j.id for j in holders.get((g.node, g.index), [])],
+        "residue": [{"job": j.id, "bytes": n} for j, n in kept.get((g.node, g.index), [])],
     } for g in devices]
     jobs = [job_summary(j, who, now, controller.wait_of(j)) for j in live]
     finished = store.recent_finished(None if who.admin else who.user, RECENT_FINISHED)
@@ -88,12 +109,13 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
     fair = [{"user": u, "usage_gpu_s": usage.get(u, 0.0), "share": usage.get(u, 0.0) / total if total else 0.0,
              "gpus_now": running.get(u, 0)} for u in sorted(set(usage) | set(running))]
     fair.sort(key=lambda r: -r["usage_gpu_s"])
+    ram_nodes = ram_by_node(controller, devices, live)
     return {
         "time": now, "simulated": gpus.simulated, "description": gpus.describe(),
         "policy": controller.config.policy,
         "caller": {"user": who.user, "uid": who.uid, "admin": who.admin},
         "gpus": gpu_rows, "jobs": jobs,
-        "ram": {"budget": controller.config.ram_budget, "parked": tiers["ram"]},
+        "ram": {"budget": ram_budget(controller, ram_nodes), "parked": tiers["ram"], "nodes": ram_nodes},
         "parked_bytes": tiers, "fair_share": fair,
         "fair_share_half_life_s": controller.config.policy_config.fair_share_half_life_s,
     }

@@ -12,9 +12,10 @@ def frontend(admin_group: Optional[str]) -> Frontend:
     (api/auth.py) or by bearer token on --listen, `admin_group`'s members allowed any job."""
     from gpuswap.api.app import create_app
     from gpuswap.api.auth import Authorizer, PeerCredProtocol
+    from gpuswap.api.forwarded import Replayer
     from gpuswap.api.tokens import TokenBook
 
     def make_app(store: Any, controller: Any, gpus: Any, launcher: Any) -> Any:
         return create_app(store, controller, gpus, launcher, Authorizer(admin_group, TokenBook(store)))
 
-    return Frontend(make_app, PeerCredProtocol)
+    return Frontend(make_app, PeerCredProtocol, Replayer)

@@ -115,6 +115,7 @@ def job_record(j: JobRecord, now: float, events: Optional[list[Event]] = None,
         "preemptible": j.preemptible,
         "gpus": j.gpus,
         "assigned_gpus": j.assigned or j.home_gpus,
+        "node": j.node,
         "gpus_simulated": gpus_simulated,
         "mem_bytes": j.mem_bytes,
         "device_bytes": j.device_bytes,
@@ -167,6 +168,7 @@ def estimate_fields(j: JobRecord) -> dict[str, Any]:
 def gpu_record(g: GpuInfo, used: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "index": g.index,
+        "node": g.node,
         "name": g.name,
         "uuid": g.uuid,
         "simulated": g.simulated,

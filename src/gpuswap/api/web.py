@@ -5,7 +5,6 @@ non-admin sees others' jobs only as the overview shows them and gets 404 for any
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path as FsPath
 from typing import Annotated, Any, Optional
 
@@ -19,6 +18,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpuswap.api.auth import SCOPE_KEY, Authorizer, Caller
+from gpuswap.api.joblog import read_log
 from gpuswap.api.metrics import GpuswapCollector
 from gpuswap.api.overview import build_overview
 from gpuswap.api.tokens import TokenBook
@@ -94,14 +94,7 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
         job = store.get(job_id)
         if job is None or not who.may_act_on(job.uid):
             raise HTTPException(404, f"no job {job_id}")
-        data = b""
-        try:
-            with open(launcher.log_path(job_id), "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - size))
-                data = f.read(size)
-        except FileNotFoundError:
-            pass
-        return PlainTextResponse(data)   # text/plain; charset=utf-8
+        return PlainTextResponse(read_log(controller.pool, job, None, size))   # text/plain; charset=utf-8
 
     @app.post("/v1/tokens", status_code=201)
     def create_token(request: Request, req: TokenRequest = Body(default_factory=TokenRequest),

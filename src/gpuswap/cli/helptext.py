@@ -51,6 +51,12 @@ ENVIRONMENT = _table("environment", (
     ("GPUSWAP_CONFIG", "`server`: its config file (see `gpuswap server --help`)"),
     ("GPUSWAP_URL", "reach a daemon over TCP (`gpuswap server --listen`) instead of its Unix socket"),
     ("GPUSWAP_TOKEN", "the bearer token for GPUSWAP_URL (`gpuswap token create`)"),
+    ("GPUSWAP_AGENT_HOME", "a Ray pool node's agent (in that node's `ray start` environment): its "
+                           "state directory; default /var/lib/gpuswap/node (docs/ray.md)"),
+    ("GPUSWAP_AGENT_SIMULATE_GPUS", "a Ray pool node's agent: simulated GPUs there, as --simulate-gpus"),
+    ("GPUSWAP_NODE_NAME", "a Ray pool node's agent: the node's name in the pool; default its host name"),
+    ("GPUSWAP_AGENT_SHARED_CKPT", "a Ray pool node's agent: a directory on storage every node mounts at "
+                                  "that path; disk checkpoints there resume on any such node"),
 ))
 
 # Set for each job by its supervisor, and read by the runtime in the job (`gpuswap.attach`).

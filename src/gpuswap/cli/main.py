@@ -4,6 +4,7 @@ with the job's own exit code."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -89,16 +90,30 @@ def _gib(text: str) -> float:
     return value
 
 
-def build_parser() -> Parser:
+def build_parser(verb: Optional[str] = None) -> Parser:
+    """The whole command line; or, where `verb` (the call's first argument) is a verb, only the
+    parsers of the module that defines it: the other verbs' modules (the server's settings and the
+    policy, the simulator, the runtime, rich) were most of the CPU time of a `gpuswap ls`. Nothing
+    else changes: a verb's parser is the same either way (tests/cli/test_cli_verbs.py), and a
+    call that names no verb (`--help`, a typo) gets the whole command line to report against."""
     p = Parser(prog="gpuswap", description="Share GPUs: pause jobs at a safe point, park their memory, resume exactly.",
                epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n`gpuswap VERB --help` says what each verb takes.")
     p.add_argument("--version", action=VersionAction, help="print gpuswap's version and where it runs from, and exit")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
-    json_flag: dict[str, Any] = dict(action="store_true", help="print the record(s) as JSON")
+    chosen = [add for verbs, add in VERB_MODULES if verb in verbs] or [add for _, add in VERB_MODULES]
+    for add in chosen:
+        add(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"   # "required: {server,submit,...}", not "verb"
+    return p
 
+
+def _add_server(sub: Any) -> None:
     from gpuswap.cli import server      # its flags are made from the settings object (node/settings.py)
     server.register(sub)
 
+
+def _add_own(sub: Any) -> None:
+    json_flag: dict[str, Any] = dict(action="store_true", help="print the record(s) as JSON")
     s = sub.add_parser("submit", help="queue a job: gpuswap submit [options] -- CMD ...",
                        description="Queue a job. It runs as you, in your working directory and with your "
                                    "environment, when the policy gives it GPUs.", epilog=JOB_ENVIRONMENT)
@@ -183,19 +198,49 @@ def build_parser() -> Parser:
     s.add_argument("--json", action="store_true", help="print one JSON document with every figure and check")
     s.set_defaults(func=cmd_selftest)
 
-    from gpuswap.cli import remote, top   # issue 6: tokens, dashboard URL, live terminal view
+
+def _add_remote(sub: Any) -> None:
+    from gpuswap.cli import remote      # issue 6: tokens, dashboard URL
     remote.register(sub, lambda: _client(), _out)
+
+
+def _add_top(sub: Any) -> None:
+    from gpuswap.cli import top         # issue 6: live terminal view
     top.register(sub, lambda: _client())
+
+
+def _add_slurm_wrap(sub: Any) -> None:
     from gpuswap.cli import slurm_wrap  # issue 5: Slurm signal forwarding for any command
     slurm_wrap.register(sub)
 
+
+def _add_sim(sub: Any) -> None:
     from gpuswap.sim import cli as sim_cli   # imported plainly: a broken import must fail, not hide a verb
     sim_cli.register(sub)
-    from gpuswap.cli import completion, service   # issue 14: shell completion; the systemd unit
+
+
+def _add_completion(sub: Any) -> None:
+    from gpuswap.cli import completion  # issue 14: shell completion
     completion.register(sub, build_parser)
+
+
+def _add_service(sub: Any) -> None:
+    from gpuswap.cli import service     # issue 14: the systemd unit
     service.register(sub)
-    sub.metavar = "{" + ",".join(sub.choices) + "}"   # "required: {server,submit,...}", not "verb"
-    return p
+
+
+# Each module that adds verbs, with the verbs it adds, in `gpuswap --help`'s order.
+VERB_MODULES: tuple[tuple[frozenset[str], Callable[[Any], None]], ...] = (
+    (frozenset({"server"}), _add_server),
+    (frozenset({"submit", "ls", "show", "logs", "wait", "cancel", "resume", "pause", "gpus", "demo", "selftest"}),
+     _add_own),
+    (frozenset({"token", "dashboard-url"}), _add_remote),
+    (frozenset({"top"}), _add_top),
+    (frozenset({"slurm-wrap"}), _add_slurm_wrap),
+    (frozenset({"sim"}), _add_sim),
+    (frozenset({"completion"}), _add_completion),
+    (frozenset({"service"}), _add_service),
+)
 
 
 # -- verbs ---------------------------------------------------------------------------------------
@@ -218,8 +263,6 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 def cmd_ls(a: argparse.Namespace) -> int:
     """The newest --limit jobs, or every job by following the API's pages (oldest first)."""
-    from gpuswap.cli import render
-
     client, params = _client(), {"all": "true"} if a.all_users else {}
     if a.limit:
         r = client.request("GET", "/v1/jobs", params={**params, "limit": min(a.limit, 1000)})
@@ -238,14 +281,12 @@ def cmd_ls(a: argparse.Namespace) -> int:
             r = client.request("GET", "/v1/jobs", params={**params, "after": after})
             jobs += r.json()
             after = r.headers.get("X-Next-After")
-    _out(a, jobs, render.jobs_table)
+    _out(a, jobs, lambda r: _render().jobs_table(r))
     return 0
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    from gpuswap.cli import render
-
-    _out(a, _client().get(f"/v1/jobs/{a.id}"), render.job_detail)
+    _out(a, _client().get(f"/v1/jobs/{a.id}"), lambda r: _render().job_detail(r))
     return 0
 
 
@@ -280,21 +321,17 @@ def cmd_wait(a: argparse.Namespace) -> int:
 
 
 def cmd_action(a: argparse.Namespace) -> int:
-    from gpuswap.cli import render
-
     body = {"to": a.to} if a.action == "pause" else None
     job = _client().post(f"/v1/jobs/{a.id}/{a.action}", body)
     if job.get("nothing_done"):     # already as asked: exit 0 (the state is what was wanted), but say so
         print(f"gpuswap {a.action}: {job['nothing_done']}", file=sys.stderr)
     _out(a, job, lambda j: None if j.get("nothing_done") else
-         print(f"job {j['id']}: {render.state_text(j)} — {j['reason']}"))
+         print(f"job {j['id']}: {_render().state_text(j)} — {j['reason']}"))
     return 0
 
 
 def cmd_gpus(a: argparse.Namespace) -> int:
-    from gpuswap.cli import render
-
-    _out(a, _client().get("/v1/gpus"), render.gpus_table)
+    _out(a, _client().get("/v1/gpus"), lambda r: _render().gpus_table(r))
     return 0
 
 
@@ -307,7 +344,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 def cmd_selftest(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gpuswap.cli.render import console, plain, print_json
+    from gpuswap.cli.render import console, plain
     from gpuswap.selftest import report, runner
 
     err, t0 = Console(stderr=True, highlight=False), time.monotonic()
@@ -332,9 +369,18 @@ def _client() -> Client:
     return Client()
 
 
-def _out(a: argparse.Namespace, record: Any, human: Callable[[Any], None]) -> None:
-    from gpuswap.cli.render import print_json
+def _render() -> Any:
+    """cli/render.py (rich tables), imported only for output to a person: `--json` needs no rich."""
+    from gpuswap.cli import render
 
+    return render
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _out(a: argparse.Namespace, record: Any, human: Callable[[Any], None]) -> None:
     if getattr(a, "json", False):
         print_json(record)
     else:
@@ -342,8 +388,9 @@ def _out(a: argparse.Namespace, record: Any, human: Callable[[Any], None]) -> No
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args) or 0)
     except UsageError as e:
         print(str(e), file=sys.stderr)

@@ -1,4 +1,5 @@
-"""How records look on a terminal (rich tables). `--json` bypasses all of this.
+"""How records look on a terminal (rich tables). `--json` bypasses all of this (cli/main.py prints
+the record as it came, without importing rich).
 
 Everything shown here that a user or the machine chose (job names, commands, users, reasons,
 paths, GPU names) goes to rich as a `Text`, never as a markup string: a job named "[/x]" would
@@ -7,7 +8,6 @@ Only literals written in this module carry markup.
 """
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from typing import Any
@@ -19,10 +19,6 @@ from gpuswap.jobs import format_size
 from gpuswap.terminal import console, plain, residue_text, state_text
 
 SIMULATED_NOTE = "SIMULATED GPUs — no real GPU is in use"
-
-
-def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=1, sort_keys=True))
 
 
 def duration(seconds: float | None) -> str:
@@ -64,11 +60,13 @@ def rank_rows(j: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def gpu_list(j: dict[str, Any]) -> str:
-    """'1 [0]', or '1 [sim 0]' on simulated GPUs: GPU indices never pass for real ones."""
+    """'1 [0]', or '1 [sim 0]' on simulated GPUs: GPU indices never pass for real ones; in a pool
+    (docs/ray.md) the node leads them: '1 [sim node-b:0]'."""
     gpus = ",".join(str(g) for g in j.get("assigned_gpus") or [])
     if not gpus:
-        return str(j["gpus"])
-    return f"{j['gpus']} [{'sim ' if j.get('gpus_simulated') else ''}{gpus}]"
+        return str(j["gpus"]) + (f" [{j['node']}]" if j.get("node") and not j.get("ended") else "")
+    where = f"{j['node']}:" if j.get("node") else ""
+    return f"{j['gpus']} [{'sim ' if j.get('gpus_simulated') else ''}{where}{gpus}]"
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> None:
@@ -100,6 +98,8 @@ def estimate_text(j: dict[str, Any]) -> str:
 
 def job_detail(j: dict[str, Any]) -> None:
     assigned = ",".join(str(g) for g in j.get("assigned_gpus") or []) or "-"
+    if j.get("node"):
+        assigned = f"{assigned} on node {j['node']}"
     sim = " (SIMULATED GPUs — no real GPU is in use)" if j.get("gpus_simulated") else ""
     rows = [
         ("job", f"{j['id']} ({j['name']})"), ("user", j["user"]), ("state", state_text(j)),
@@ -135,7 +135,8 @@ def gpus_table(info: dict[str, Any]) -> None:
     banner = SIMULATED_NOTE if info["simulated"] else info["description"]
     console.print(Text.assemble((banner, "bold"), f"   policy: {info['policy']}"))
     t = Table(box=None, pad_edge=False)
-    for col in ("GPU", "NAME", "MEMORY USED / TOTAL", "JOBS"):
+    pool = any(g.get("node") for g in info["gpus"])      # a pool's GPUs name their node (docs/ray.md)
+    for col in (("NODE",) if pool else ()) + ("GPU", "NAME", "MEMORY USED / TOTAL", "JOBS"):
         t.add_column(col)
     for g in info["gpus"]:
         name = g["name"] + (" (simulated)" if g["simulated"] and "simulated" not in g["name"] else "")
@@ -143,10 +144,15 @@ def gpus_table(info: dict[str, Any]) -> None:
                          + (f" (parked in RAM, keeps {format_size(j['residue_bytes'])})"
                             if j.get("residue_bytes") else "")
                          for j in g["jobs"]) or "free"
-        t.add_row(plain(g["index"]), plain(name), plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"),
-                  plain(jobs))
+        t.add_row(*((plain(g.get("node") or "-"),) if pool else ()), plain(g["index"]), plain(name),
+                  plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"), plain(jobs))
     console.print(t)
-    console.print(plain(f"host RAM parked: {format_size(info['ram_parked'])} of a {format_size(info['ram_budget'])} budget"))
+    if info.get("ram_nodes"):      # a pool: each node parks in its own RAM
+        for r in info["ram_nodes"]:
+            console.print(plain(f"host RAM parked on {r['node']}: {format_size(r['parked'])} of a "
+                                f"{format_size(r['budget'])} budget"))
+    else:
+        console.print(plain(f"host RAM parked: {format_size(info['ram_parked'])} of a {format_size(info['ram_budget'])} budget"))
     tr = info.get("transparent") or {}
     state = "available" if tr.get("available") else "unavailable"
     console.print(plain(f"transparent parking: {state} — {tr.get('description', '?')}; disk tier via CRIU: {tr.get('criu')}"))

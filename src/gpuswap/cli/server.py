@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from gpuswap.exitcodes import EX_FAILURE, EX_USAGE
+from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.node import settings
 from gpuswap.protocol import env as envvars
 
@@ -62,7 +62,7 @@ def resolve(a: argparse.Namespace) -> tuple[Any, settings.ServerSettings, str]:
 
 def cmd_server(a: argparse.Namespace) -> int:
     from gpuswap.api.serving import frontend
-    from gpuswap.node.daemon import DaemonError, serve
+    from gpuswap.node.daemon import DaemonError, DaemonUnavailable, serve
 
     try:
         home, opts, sources = resolve(a)
@@ -72,8 +72,15 @@ def cmd_server(a: argparse.Namespace) -> int:
     if a.print_config:
         print(settings.to_toml(opts, sources))
         return 0
+    if opts.ray and opts.simulate_gpus:
+        print("gpuswap server: --simulate-gpus names this machine's GPUs; with --ray each node's agent has its "
+              "own (GPUSWAP_AGENT_SIMULATE_GPUS in that node's environment, docs/ray.md)", file=sys.stderr)
+        return EX_USAGE
     try:
         serve(home, opts, frontend(opts.admin_group))
+    except DaemonUnavailable as e:
+        print(f"gpuswap server: {e}", file=sys.stderr)
+        return EX_UNAVAILABLE
     except DaemonError as e:
         print(f"gpuswap server: {e}", file=sys.stderr)
         return EX_FAILURE

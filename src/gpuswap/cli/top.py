@@ -48,10 +48,16 @@ def _kept(g: dict[str, Any]) -> list[str]:
     return [f"{r['job']} (parked, keeps {format_size(r['bytes'])})" for r in g.get("residue") or []]
 
 
+def _gpu(node: Any, index: Any) -> str:
+    """A GPU as `gpuswap gpus` names it: its index, in a pool `node:index` (docs/ray.md)."""
+    return f"{node}:{index}" if node else str(index)
+
+
 def _parked(j: dict[str, Any]) -> str:
     """Its parked size, and what stays on its GPUs: '1.3 GiB; 512.0 MiB stays on GPU 0'."""
     size = format_size(j["parked_bytes"]) if j["parked_bytes"] else "size unknown" if j["tier"] else "-"
-    return size + "".join(f"; {format_size(r['bytes'])} stays on GPU {r['gpu']}" for r in j.get("residue") or [])
+    return size + "".join(f"; {format_size(r['bytes'])} stays on GPU {_gpu(j.get('node'), r['gpu'])}"
+                          for r in j.get("residue") or [])
 
 
 def frame(o: dict[str, Any], live: bool = True) -> Group:
@@ -67,7 +73,7 @@ def frame(o: dict[str, Any], live: bool = True) -> Group:
     for col in ("GPU", "MEMORY", "", "JOBS"):
         gpus.add_column(col, ratio=2 if col == "" else None)
     for g in o["gpus"]:
-        gpus.add_row(plain(f"{g['index']}{' (sim)' if g['simulated'] else ''}"),
+        gpus.add_row(plain(f"{_gpu(g.get('node'), g['index'])}{' (sim)' if g['simulated'] else ''}"),
                      plain(f"{format_size(g['mem_used'])} / {format_size(g['mem_total'])}"),
                      ProgressBar(total=max(g["mem_total"], 1), completed=g["mem_used"], width=30),
                      plain(", ".join([str(i) for i in g["jobs"]] + _kept(g)) or "free"))

@@ -11,22 +11,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Optional
 
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
-from gpuswap.lifecycle import EventKind as K, NewEvent
-from gpuswap.node import observe, residue, sessions, snapshot
+from gpuswap.lifecycle import STARTED, EventKind as K, NewEvent
+from gpuswap.node import observe, residue, snapshot
 from gpuswap.node.bandwidth import Bandwidths
-from gpuswap.node.cuda_ckpt import CheckpointDriver
-from gpuswap.node.freezer import (ATTACH_GRACE_S, Freezer, awaiting_runtime, deferred_pause_text, job_parkability,
+from gpuswap.node.freezer import (ATTACH_GRACE_S, awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
-from gpuswap.node.gpus import GpuInventory
+from gpuswap.node.cuda_ckpt import Capability
 from gpuswap.node.launcher import Launcher
+from gpuswap.node.pool import Layout, Node, Pool
+from gpuswap.node.strays import StrayCheck
 from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transition import Applier
-from gpuswap.node.transparent import job_cuda_processes
 from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
 from gpuswap.policy.classes import class_gpu_s
 from gpuswap.protocol.rundir import Desired
@@ -36,6 +36,13 @@ log = logging.getLogger("gpuswap.controller")
 ACTIVE = (JobState.RUNNING, JobState.PAUSING, JobState.RESUMING)
 WITH_PROCESS = ACTIVE + (JobState.PAUSED,)   # PAUSED in RAM or by SIGSTOP keeps its process
 MIN_GAP_S = 0.05
+# Why each waiting job waits is worked out after the decisions are carried out, with a waiting job
+# that has no reason yet at once, and otherwise when the last reasons are EXPLAIN_SHARE times as
+# old as they took to work out, or EXPLAIN_S: with a short queue every tick (a millisecond), with
+# 1,000 queued jobs (85-230 ms, ten times the decision: bench/bench_pool.py) about once a second
+# or two. A reason that old misleads nobody, and the controller's time goes to deciding.
+EXPLAIN_S = 2.0
+EXPLAIN_SHARE = 10.0
 HELD = Wait("", "JobHeldUser", "paused by its owner; `gpuswap resume` lets it run again")
 
 
@@ -51,14 +58,16 @@ class ControllerConfig:
 
 
 class Controller:
-    def __init__(self, store: Store, launcher: Launcher, gpus: GpuInventory, config: ControllerConfig,
-                 driver: CheckpointDriver, bandwidths: Bandwidths, clock: Callable[[], float] = time.time):
-        self.store, self.launcher, self.gpus, self.config, self.clock = store, launcher, gpus, config, clock
-        self.driver, self.bandwidths = driver, bandwidths
-        self.transparent_ok = driver.capability.available
-        self.freezer = Freezer(driver, gpus, launcher.run_dir)
+    """`pool`: the machines it schedules over (node/pool.py): this one alone for the classic
+    daemon, or a Ray cluster's nodes (docs/ray.md). `launcher`: the daemon's own job directories."""
+
+    def __init__(self, store: Store, launcher: Launcher, pool: Pool, config: ControllerConfig,
+                 bandwidths: Bandwidths, clock: Callable[[], float] = time.time):
+        self.store, self.launcher, self.pool, self.config, self.clock = store, launcher, pool, config, clock
+        self.bandwidths = bandwidths
         self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
         self.applier = Applier(store, bandwidths, launcher.ckpt_dir)
+        self.layout = Layout()
         self.usage = store.load_usage()
         self.class_usage = store.load_class_usage()     # for the class budgets (policy/classes.py)
         self._wake = threading.Event()
@@ -74,6 +83,9 @@ class Controller:
         # API threads read one consistent dict), and the key of the reason last written as an event.
         self.waits: dict[int, Wait] = {}
         self._told: dict[int, tuple] = {}
+        self._explained_at = float("-inf")
+        self.strays = StrayCheck(pool, store.get)
+        self._explain_took = 0.0
 
     # -- loop -------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -101,7 +113,14 @@ class Controller:
 
     def tick(self) -> None:
         now = self.clock()
-        for job in list(self._refresh().values()):
+        if not self.pool.single:
+            self._end_lost(now)
+            self.strays.run()       # a node that came back runs nothing the records ended
+        # The interval since the last tick is counted by the states the jobs had in it, before
+        # observing what ended in it: a job that exited within it ran for it too.
+        before = self._refresh()
+        self._accrue(sorted(before.values(), key=lambda j: j.id), now)
+        for job in list(before.values()):
             if job.state in WITH_PROCESS or job.cancel_requested:
                 self._isolated(job, now, "to observe it", self._observe, job, now)
         for job in list(self._refresh().values()):
@@ -109,26 +128,61 @@ class Controller:
                 self._isolated(job, now, "to apply its user's request", self._apply_user_intent, job, now)
         live = self._refresh()
         jobs = sorted(live.values(), key=lambda j: j.id)
-        self._accrue(jobs, now)
-        views = [self._view(j) for j in jobs if snapshot.schedulable(j)]
-        kept = residue.outside_snapshot(jobs, {int(v.id) for v in views})   # e.g. a user's RAM pause
-        snap = snapshot.build(now, self.gpus.list(), views, self.config.policy_config, self.bandwidths.costs(),
-                              self.config.ram_budget, self.usage, kept, self.class_usage)
-        decisions, waits = policy.decide_explained(snap, self.config.policy)
+        pool_gpus = self.pool.gpus()
+        layout = Layout.of(pool_gpus)
+        if layout != self.layout:
+            self._views.clear()          # the GPU ids the views name follow the layout
+            self.layout = layout
+        views = [v for v in (self._view(j) for j in jobs if snapshot.schedulable(j)) if v is not None]
+        seen = {int(v.id) for v in views}
+        kept = (residue.outside_snapshot(jobs, seen) if self.pool.single    # e.g. a user's RAM pause
+                else snapshot.kept_in_pool(jobs, seen, layout))
+        snap = snapshot.build(now, snapshot.pool_gpus(pool_gpus, self.pool.single), views,
+                              self.config.policy_config, self.bandwidths.costs(), self.ram_budgets(pool_gpus), self.usage,
+                              kept, self.class_usage)
+        decisions = policy.decide(snap, self.config.policy)
         for d in decisions:
             job = live.get(int(d.job_id))
             if job is not None:
                 self._isolated(job, now, f"to carry out a {type(d).__name__.lower()}", self._apply, d, job, now)
-        try:
-            self._explain(live, waits, now)
-        except Exception:   # a reason that cannot be recorded (a full disk) must not stop the moves below
-            log.exception("could not record why jobs wait")
+        # Then, when due, why the others wait: the same snapshot gives the same decisions.
+        acted = {int(d.job_id) for d in decisions}
+        unexplained = any(j not in self.waits and j not in acted and live[j].state in (JobState.PENDING, JobState.PAUSED)
+                          for j in seen)
+        since = time.monotonic() - self._explained_at
+        if unexplained or since >= min(EXPLAIN_S, EXPLAIN_SHARE * self._explain_took):
+            started = time.monotonic()
+            try:
+                self._explain(live, policy.decide_explained(snap, self.config.policy)[1], now)
+            except Exception:   # a reason that cannot be recorded (a full disk) must not stop the moves below
+                log.exception("could not record why jobs wait")
+            self._explained_at = time.monotonic()
+            self._explain_took = self._explained_at - started
         for job in list(self._refresh().values()):
             if job.state in WITH_PROCESS:
                 self._isolated(job, now, "to update what its supervisor is asked", self._push_desired, job)
-        self.launcher.reap()
+        self.pool.reap()
         with self.changed:
             self.changed.notify_all()
+
+    def _end_lost(self, now: float) -> None:
+        """A pool's jobs on a node lost for good end FAILED (observe.node_lost); their GPUs are gone."""
+        jobs = [j for j in self._refresh().values() if j.node is not None and j.state in STARTED]
+        lost = self.pool.lost({j.node for j in jobs if j.node is not None})
+        for job in jobs:
+            if job.node not in lost:
+                continue
+            reach = self.pool.disk_nodes(job.node)
+            if _on_disk(job) and reach:
+                continue         # its checkpoint is on storage other nodes reach: it resumes there
+            self._settle(job.id)
+            self._isolated(job, now, "to end it (its node is lost)", self._lose, job, reach, lost[job.node], now)
+
+    def _lose(self, job: JobRecord, reach: tuple[str, ...], why: str, now: float) -> None:
+        """Back to its last disk checkpoint where another node reaches one (shared storage), else FAILED."""
+        found = self.pool.on(reach[0]).last_checkpoint(job.id) if reach else None
+        self.applier.apply(job.id, observe.node_lost_requeued(job, why, *found, now) if found
+                           else observe.node_lost(job, why, now))
 
     def _isolated(self, job: JobRecord, now: float, doing: str, step: Callable[..., None], *args: object) -> None:
         """Run one job's step so that its failure costs that job only, never the tick: every
@@ -156,21 +210,40 @@ class Controller:
     def _observe(self, job: JobRecord, now: float) -> None:
         """Read what is (the supervisor's status, and what NVML or /proc must add), let
         node/observe.py decide what that changes, and apply it; then the freezer's driver steps."""
-        obs = self.launcher.observe(job.id, job.generation) if observe.reads_status(job) else None
-        pid = obs.job_pid if obs is not None else None
-        facts = observe.Facts(obs)
-        if obs is not None and observe.wants_residue(job, obs):
-            facts = observe.Facts(obs, residue=residue.measure(obs.job_pid, self.gpus, job.assigned))
-        elif obs is not None and obs.exit is None and not obs.alive and pid is not None and pid > 1:
-            # Its supervisor is gone: what is left of the job's processes (killed if any, observe.py).
-            facts = observe.Facts(obs, orphans=sessions.alive(pid, obs.job_start_ticks, obs.rank_pids))
+        node = self._node(job)
+        # Its supervisor is read on its node, with what NVML or /proc must add there (pool.node_facts).
+        facts = node.observe(job) if node is not None else observe.Facts(None)
+        obs = facts.obs
         verdict = observe.decide(job, facts, now, self.rules)
+        if any("state" in t.changes for t in verdict.transitions):
+            self._settle(job.id)
         for t in verdict.transitions:
-            self.applier.apply(job.id, t)
-        if verdict.driver is not None and obs is not None:
-            step = getattr(self.freezer, verdict.driver)(job, obs, now)
+            self.applier.apply(job.id, t, None if self.pool.single else node)
+        if verdict.driver is not None and obs is not None and node is not None:
+            step = node.driver_step(verdict.driver, job, obs, now)
             if step is not None:
-                self.applier.apply(job.id, step)
+                self.applier.apply(job.id, step, None if self.pool.single else node)
+
+    def _settle(self, job_id: int) -> None:
+        """Write a job's run and service time accrued so far before its state changes: a job
+        reported ended (to `wait`, to the predictor of the next submission) has its final figures."""
+        acc = self._accrued.pop(job_id, None)
+        if acc is not None and any(acc):
+            self.store.accrue([(job_id, *acc)])
+
+    def _node(self, job: JobRecord) -> Optional[Node]:
+        """The node a job with a process is on; None for one not placed yet (PENDING, or parked on
+        disk and not restarted). KeyError for a node the pool has not now: its facts are not known."""
+        if self.pool.single:
+            return self.pool.node_of(job)
+        if job.node is None:
+            return None
+        if _on_disk(job) and job.node not in self.pool.nodes():
+            # Parked to disk on a node that left: any node reaching its checkpoint acts for it
+            # (dropping the checkpoint when it is cancelled); it has no process to observe.
+            reach = self.pool.disk_nodes(job.node)
+            return self.pool.on(reach[0]) if reach else None
+        return self.pool.node_of(job)
 
     def wait_of(self, job: JobRecord) -> Optional[Wait]:
         """Why this job waits (a PENDING or PAUSED job the last round did not start), or None."""
@@ -183,7 +256,8 @@ class Controller:
     def _explain(self, live: dict[int, JobRecord], waits: dict[str, Wait], now: float) -> None:
         """Keep the policy's reasons, and write one as an event when a job's reason changes in
         substance (its rule or who holds it, not a countdown), so the log says why it waited."""
-        kept = {int(k): w for k, w in waits.items()}
+        kept = {int(k): w if self.pool.single else replace(w, text=self.layout.name_gpus(w.text))
+                for k, w in waits.items()}
         for jid, w in kept.items():
             job = live.get(jid)
             if job is None or job.state not in (JobState.PENDING, JobState.PAUSED):
@@ -207,12 +281,35 @@ class Controller:
                 self._live[rec.id] = rec
         return self._live
 
-    def _view(self, job: JobRecord) -> JobView:
+    def _view(self, job: JobRecord) -> Optional[JobView]:
+        """The policy's view of a job, its GPUs named by their ids in the pool; None for a job on
+        a node that is not in the pool now (out of the snapshot: nothing is placed on its GPUs,
+        which are not in it either, until its node answers again)."""
         cached = self._views.get(job.id)
         if cached is None or cached[0] != job.version:
+            reach = self._disk_nodes(job)
+            if (not self.pool.single and job.node is not None and job.node not in self.layout.offsets
+                    and not (_on_disk(job) and reach)):      # a disk checkpoint others reach goes on
+                return None
             cached = self._views[job.id] = (job.version, snapshot.job_view(
-                job, self.transparent_ok, self.driver.capability.migration))
+                job, self._cap(job).available, self._cap(job).migration,
+                None if self.pool.single else self.layout, reach))
         return cached[1]
+
+    @property
+    def capability(self) -> Capability:
+        """What can be parked transparently: this machine's; a pool's summary of its nodes'."""
+        return self.pool.capability
+
+    def _cap(self, job: JobRecord) -> Capability:
+        """The transparent capability where the job runs or is parked: its node's in a pool."""
+        return self.pool.capability_of(job.node)
+
+    def _disk_nodes(self, job: JobRecord) -> tuple[str, ...]:
+        """In a pool, where a parked job's disk checkpoint is (or would be) reachable."""
+        if self.pool.single or job.node is None or job.state != JobState.PAUSED or job.parked not in ("ram", "disk"):
+            return ()
+        return self.pool.disk_nodes(job.node)
 
     # -- accounting -------------------------------------------------------------------------
     def _accrue(self, jobs: list[JobRecord], now: float) -> None:
@@ -259,7 +356,7 @@ class Controller:
                     self.store.update(job.id, now, event=NewEvent(K.PAUSE_DEFERRED, deferred_pause_text(tier),
                                                                   tier=tier, initiator="user"))
                 return
-            if tier not in tiers_for(job, self.transparent_ok):
+            if tier not in tiers_for(job, self._cap(job).available):
                 self.store.update(job.id, now, hold=False, event=NewEvent(
                     K.PAUSE_REFUSED, f"pause to {tier} refused: this job cannot be parked there "
                                      f"({self._why_not(job)})", tier=tier, initiator="user"))
@@ -279,23 +376,27 @@ class Controller:
     def _freezable_now(self, job: JobRecord, tier: str) -> bool:
         """A RAM pause of a job not yet attached can be carried out by the driver right away if the
         job already has a CUDA process: frozen whole, it is parked correctly whatever it turns out to be."""
-        if tier != "ram" or mechanism_for(job, self.transparent_ok) != "transparent":
+        if tier != "ram" or mechanism_for(job, self._cap(job).available) != "transparent":
             return False
-        pid = self.launcher.observe(job.id, job.generation).job_pid
-        return bool(pid) and bool(job_cuda_processes(pid, self.gpus))
+        node = self._node(job)
+        return node is not None and node.has_cuda_process(job)
 
     def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
+        if not self.pool.single:       # its reason names GPUs as people see them in a pool
+            d = replace(d, reason=self.layout.name_gpus(d.reason))
         if isinstance(d, Start) and job.state == JobState.PENDING and not job.cancel_requested:
             gen = job.generation + 1
-            self.store.update(job.id, now, state=JobState.RUNNING, assigned=list(d.gpus), generation=gen,
+            node, gpus = self._placed(d.gpus)
+            self.store.update(job.id, now, state=JobState.RUNNING, assigned=gpus, generation=gen,
                               last_start=now, desired="running", desired_tier=None, attached=False,
-                              event=NewEvent(K.STARTED, _with_reason(f"started on GPU {_gpus(d.gpus)}", d.reason),
-                                             initiator="policy"))
-            self._launch(job, gen, d.gpus)
-        elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.transparent_ok):
+                              **({} if node is None else {"node": node}),
+                              event=NewEvent(K.STARTED, _with_reason(f"started on {self._where(node, gpus)}",
+                                                                     d.reason), initiator="policy"))
+            self._launch(job if node is None else replace(job, node=node), gen, gpus)
+        elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self._cap(job).available):
             self._pause(job, d.tier, now, d.reason, by="policy")
-        elif isinstance(d, Resume) and job.state == JobState.PAUSED:
+        elif isinstance(d, Resume) and job.state == JobState.PAUSED and self._on_its_node(job, d):
             self._resume(job, d, now)
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
@@ -307,7 +408,7 @@ class Controller:
     def _pause(self, job: JobRecord, tier: str, now: float, reason: str, by: str) -> None:
         """Start parking `job`; `by` ('policy' or 'user') is recorded on the event, and only the
         policy's pauses count as preemptions."""
-        mech = mechanism_for(job, self.transparent_ok)
+        mech = mechanism_for(job, self._cap(job).available)
         what = "freezing through the driver" if mech == "transparent" else f"pausing to {tier}"
         changes: dict = dict(state=JobState.PAUSING, mechanism=mech, desired_tier=tier, pause_requested_at=now,
                              ram_allowance=self._ram_room(job) if tier == "ram" else None)
@@ -329,65 +430,110 @@ class Controller:
         """What the host-RAM budget has left for this job's park. The policy chose RAM on estimates;
         this hard cap travels with the request, so a job larger than its estimate is parked to
         disk instead (cooperative) or not frozen (transparent), and the budget is never exceeded."""
-        held = sum(j.parked_bytes for j in self._live.values() if j.parked == "ram" and j.id != job.id)
+        # Each node parks in its own RAM: only the jobs of its node count (all of them on one machine).
+        held = sum(j.parked_bytes for j in self._live.values()
+                   if j.parked == "ram" and j.id != job.id and j.node == job.node)
         inflight = sum(j.ram_allowance or 0 for j in self._live.values()
-                       if j.state == JobState.PAUSING and j.desired_tier == "ram" and j.id != job.id)
-        return max(0, self.config.ram_budget - held - inflight)
+                       if j.state == JobState.PAUSING and j.desired_tier == "ram" and j.id != job.id
+                       and j.node == job.node)
+        return max(0, self.pool.ram_budget(job.node, self.config.ram_budget) - held - inflight)
+
+    def ram_budgets(self, nodes: Iterable[str]) -> int | dict[str, int]:
+        """Each node's host-RAM budget for parked jobs (one machine: the daemon's)."""
+        if self.pool.single:
+            return self.config.ram_budget
+        return {n: self.pool.ram_budget(n, self.config.ram_budget) for n in nodes}
 
     def _why_not(self, job: JobRecord) -> str:
         if job.transparent_refused:
             return job.transparent_refused
         if job.width > 1 or job.ram_refusal:      # the multi-rank rules: capability.py says why
-            why = job_parkability(job, self.transparent_ok).why_not
+            why = job_parkability(job, self._cap(job).available).why_not
             if why:
                 return why
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
-        if mechanism_for(job, self.transparent_ok) == "transparent":
+        if mechanism_for(job, self._cap(job).available) == "transparent":
             unattached = (f"no gpuswap runtime attached within {ATTACH_GRACE_S:g} s of its start, and "
                           if job.pause_mode == "auto" and not job.attached else "")
             return f"{unattached}a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
-        return f"pause mode {job.pause_mode}; {self.driver.capability.reason}"
+        return f"pause mode {job.pause_mode}; {self._cap(job).reason}"
+
+    def _placed(self, gpus: tuple[int, ...]) -> tuple[Optional[str], list[int]]:
+        """The policy's GPU ids as (node, the node's own indices); node None on a single daemon."""
+        if self.pool.single:
+            return None, list(gpus)
+        where = [self.layout.to_node(g) for g in gpus]
+        nodes = {n for n, _ in where}
+        if len(nodes) != 1:
+            raise ValueError(f"GPUs {_gpus(gpus)} are on {len(nodes)} nodes; a job runs on one")
+        return nodes.pop(), [i for _, i in where]
+
+    def _where(self, node: Optional[str], gpus: list[int]) -> str:
+        """'GPU 0,1', or in a pool 'GPU node-b:0,node-b:1', as `gpuswap gpus` and `ls` name them."""
+        return f"GPU {_gpus(gpus)}" if node is None else "GPU " + ",".join(f"{node}:{g}" for g in gpus)
+
+    def _on_its_node(self, job: JobRecord, d: Resume) -> bool:
+        """Whether a resume is where the job's parked state is: its node (RAM; a checkpoint on its
+        node's own disk), or any node reaching its disk checkpoint (shared storage, docs/ray.md).
+        The policy places it so (JobView.disk_nodes); anything else is not carried out."""
+        if self.pool.single or job.node is None:
+            return True
+        target = self._placed(d.gpus)[0]
+        return target == job.node or (_on_disk(job) and target in self.pool.disk_nodes(job.node))
 
     def _resume(self, job: JobRecord, d: Resume, now: float) -> None:
         park = job.parked_state
+        original = d.gpus                                                  # the pool's ids: which node
+        d = Resume(d.job_id, tuple(self._placed(d.gpus)[1]), d.reason)    # its node's own GPU indices
+        where = self._where(None if self.pool.single else job.node, list(d.gpus))
         if park is None and job.stopped:     # the SIGSTOP fallback: nothing was moved
             self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, last_start=now,
                               event=NewEvent(K.CONTINUED, _with_reason("continued (SIGCONT)", d.reason),
                                              initiator="policy"))
         elif park is not None and park.tier == "ram":
             movable = park.mechanism == "transparent"
-            pinned = park.home_gpus and not (movable and self.driver.capability.migration)
+            pinned = park.home_gpus and not (movable and self._cap(job).migration)
             if pinned and sorted(d.gpus) != sorted(park.home_gpus):
                 return   # its CUDA context lives on its home GPUs; wait for those
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
                               assigned=list(d.gpus), event=NewEvent(
                                   K.RESUME_STARTED, _with_reason(f"{'thawing' if movable else 'resuming from RAM'} "
-                                                                 f"on GPU {_gpus(d.gpus)}", d.reason),
+                                                                 f"on {where}", d.reason),
                                   tier="ram", mechanism=park.mechanism, initiator="policy"))
         elif park is not None and park.tier == "disk":
             gen = job.generation + 1
+            node = job.node if self.pool.single else self._placed(original)[0]
+            moved = "" if node == job.node else f" (moved from {job.node}: its checkpoint is on storage both reach)"
+            where = self._where(None if self.pool.single else node, list(d.gpus))
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
-                              assigned=list(d.gpus), generation=gen, attached=False, event=NewEvent(
+                              assigned=list(d.gpus), generation=gen, attached=False,
+                              **({} if node == job.node else {"node": node}), event=NewEvent(
                                   K.RESUME_STARTED, _with_reason(
                                       f"restarting from its disk checkpoint ({format_size(park.nbytes)}) "
-                                      f"on GPU {_gpus(d.gpus)}", d.reason),
+                                      f"on {where}{moved}", d.reason),
                                   tier="disk", mechanism="cooperative", initiator="policy"))
-            self._launch(job, gen, d.gpus)
+            self._launch(job if node == job.node else replace(job, node=node), gen, d.gpus)
 
     def _launch(self, job: JobRecord, generation: int, gpus: tuple[int, ...] | list[int]) -> None:
-        self.launcher.launch(job, self.store.env(job.id), generation, self.gpus.visible_devices(list(gpus)),
-                             Desired(run="running"))
+        self.pool.node_of(job).launch(job, self.store.env(job.id), generation, list(gpus), Desired(run="running"))
 
     def _push_desired(self, job: JobRecord) -> None:
         if job.generation == 0 or (job.state == JobState.PAUSED and job.parked == "disk"):
             return
-        if job.state in ACTIVE and not self.launcher.spawned(job.id, job.generation):
+        node = self._node(job)
+        if node is None:
+            return
+        if job.state in ACTIVE and not node.spawned(job.id, job.generation):
             # The daemon died between recording a start and spawning it: spawn now (idempotent).
             self._launch(job, job.generation, job.assigned)
-        self.launcher.set_desired(job.id, job.generation, Desired(
+        node.set_desired(job.id, job.generation, Desired(
             run=job.desired, tier=job.desired_tier, sigstop=job.stopped,
             cancel=job.cancel_requested, max_bytes=job.ram_allowance))
+
+
+def _on_disk(job: JobRecord) -> bool:
+    return job.state == JobState.PAUSED and job.parked == "disk"
 
 
 def _gpus(gpus: tuple[int, ...] | list[int]) -> str:

@@ -17,11 +17,11 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from gpuswap.node import cuda_ckpt
+from gpuswap.node import cuda_ckpt, pool as pool_mod
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.controller import Controller, ControllerConfig
-from gpuswap.node.cuda_ckpt import CheckpointDriver
-from gpuswap.node.gpus import GpuInventory, NvmlGpus, SimulatedGpus, detect
+from gpuswap.node.drivers import checkpoint_driver
+from gpuswap.node.gpus import GpuInventory, detect
 from gpuswap.node.homedir import HomeError, prepare, tighten_jobs
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.schema import SchemaTooNew
@@ -36,12 +36,19 @@ class DaemonError(Exception):
     """A reason the daemon cannot start, for one clear line on stderr."""
 
 
+class DaemonUnavailable(DaemonError):
+    """What the daemon needs is not there (Ray not installed, its cluster not reachable): exit 69."""
+
+
 @dataclass(frozen=True)
 class Frontend:
     """What the daemon serves on its sockets."""
 
     make_app: Callable[[Store, Controller, GpuInventory, Launcher], Any]   # the ASGI app
     uds_protocol: type      # the Unix socket's HTTP protocol (it tells the app the caller's uid)
+    # For a pool: the app -> what answers a request made on a node's socket, as its caller
+    # (`serve(request, node)`, api/forwarded.py; node/gateway.py is the node's side).
+    replayer: Optional[Callable[[Any], Callable[[Any, str], Any]]] = None
 
 
 def socket_path(home: Path) -> Path:
@@ -76,28 +83,18 @@ def _owner(store: Store, job_id: int) -> Optional[tuple[int, int]]:
     return (job.uid, job.gid) if job else None
 
 
-def checkpoint_driver(home: Path, gpus: GpuInventory) -> CheckpointDriver:
-    """The driver checkpoint API for transparent parking: simulated with simulated GPUs, else the
-    real one if this node's driver and cuda-bindings support it (else one that says why not)."""
-    if isinstance(gpus, NvmlGpus):
-        cap = cuda_ckpt.detect(gpus.persistence(), gpus.driver)
-        if cap.available:
-            try:
-                return cuda_ckpt.CudaCheckpointDriver(cap)
-            except Exception as e:   # cuInit failing: report it, run without transparent parking
-                cap = cuda_ckpt.Capability(False, f"cuInit failed: {e}", driver=gpus.driver)
-        return cuda_ckpt.UnavailableDriver(cap)
-    from gpuswap.node.simdriver import SimulatedCheckpointDriver
-    from gpuswap.simcuda import SimDevice
-
-    assert isinstance(gpus, SimulatedGpus)
-    gpus.device = SimDevice(sim_device_dir(home))      # its NVML process list shows what the driver did
-    return SimulatedCheckpointDriver(gpus, gpus.device)
-
-
-def sim_device_dir(home: Path) -> Path:
-    """Where simulated CUDA processes register and the simulated driver keeps its record."""
-    return home / "simulated-driver"
+def _ray_pool(opts: ServerSettings) -> tuple[pool_mod.Pool, GpuInventory]:
+    """The Ray cluster's nodes as the pool (node/raypool.py), and their GPUs for the API."""
+    try:
+        from gpuswap.node.raypool import PoolInventory, RayPool, RayUnavailable
+    except ImportError as e:
+        raise DaemonUnavailable(f"--ray needs Ray, which is not installed here ({e.name or e}): "
+                                'pip install "gpuswap[ray]"') from None
+    try:
+        pool = RayPool(opts.ray or "auto", opts.pause_timeout_s, opts.node_lost_s, opts.ram_budget)
+    except RayUnavailable as e:
+        raise DaemonUnavailable(str(e)) from None
+    return pool, PoolInventory(pool)
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
@@ -126,8 +123,11 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
         tcp_sock = bind(opts.listen) if opts.listen else None
     except ListenError as e:
         raise DaemonError(str(e)) from None
+    ray_pool = None
+    if opts.ray:
+        ray_pool = _ray_pool(opts)         # before the database is opened
     try:
-        gpus = detect(opts.simulate_gpus)
+        gpus = detect(opts.simulate_gpus) if ray_pool is None else ray_pool[1]
     except (RuntimeError, ValueError) as e:
         raise DaemonError(str(e)) from None
     try:
@@ -141,11 +141,12 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     except OSError as e:
         raise DaemonError(f"cannot make the job files in {home / 'jobs'} private: {e}") from None
     launcher = Launcher(home, simulated=gpus.simulated, pause_timeout_s=opts.pause_timeout_s)
-    driver = checkpoint_driver(home, gpus)
+    driver = checkpoint_driver(home, gpus) if ray_pool is None else cuda_ckpt.UnavailableDriver(
+        ray_pool[0].capability)
     bandwidths = Bandwidths(store)   # what earlier runs learned from real moves, reloaded
     # Calibration takes a second or so of disk I/O (and pinned copies on a real GPU): serve
-    # meanwhile, with what is known until it lands.
-    if opts.calibrate:
+    # meanwhile, with what is known until it lands. (A pool's nodes are not calibrated yet.)
+    if opts.calibrate and ray_pool is None:
         threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
                          daemon=True).start()
     config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s, no_runtime=opts.no_runtime,
@@ -158,15 +159,19 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
                                                          class_budget_gpu_h=opts.class_budget_gpu_h,
                                                          class_half_life_s=opts.class_half_life_s,
                                                          class_floor_share=opts.class_floor_share))
-    controller = Controller(store, launcher, gpus, config, driver, bandwidths)
+    pool = pool_mod.single(launcher, gpus, driver) if ray_pool is None else ray_pool[0]
+    controller = Controller(store, launcher, pool, config, bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None
+    if ray_pool is not None and frontend.replayer is not None:
+        ray_pool[0].serve_forwarded(frontend.replayer(app))     # `gpuswap` on every node's socket
     # Connections within the fd limit, idle ones timed out, EMFILE logged once (conn_guard.py).
     quiet_accept_errors()
     cap = connection_budget(2 if tcp_sock else 1)
     uds_guard = ConnectionGuard(f"the Unix socket {socket_path(home)}", cap)
     tcp = TcpListener(app, tcp_sock, ConnectionGuard(f"--listen {opts.listen}", cap)) if tcp_sock else None
-    sweeper = RetentionSweeper(store, launcher, opts.retention_s) if opts.retention_s is not None else None
+    sweeper = (RetentionSweeper(store, launcher, opts.retention_s, pool=pool) if opts.retention_s is not None
+               else None)
 
     sock = socket_path(home)
     if sock.exists():
@@ -181,7 +186,7 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     if sweeper:
         sweeper.start()
     dcgm = None
-    if opts.dcgm_job_mapping_dir:
+    if opts.dcgm_job_mapping_dir and ray_pool is None:
         from gpuswap.node.dcgm import MappingWriter
 
         dcgm = MappingWriter(opts.dcgm_job_mapping_dir, lambda: store.list(live_only=True),
@@ -204,6 +209,8 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
         if dcgm:
             dcgm.stop()
         stop.set()
+        if ray_pool is not None:
+            ray_pool[0].stop()
         loop_thread.join(timeout=5)
         store.close()
         os.close(lock_fd)

@@ -32,6 +32,7 @@ class GpuInfo:
     mem_used: Optional[int]           # None: simulated, filled in from job reports by the caller
     simulated: bool
     processes: tuple[GpuProcess, ...] = field(default_factory=tuple)
+    node: Optional[str] = None        # the pool node it is on (docs/ray.md); None on a single daemon
 
 
 class GpuInventory(abc.ABC):

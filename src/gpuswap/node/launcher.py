@@ -20,9 +20,12 @@ supervisor). Modes are set explicitly, whatever the daemon's umask.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pwd
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -36,6 +39,8 @@ from gpuswap.protocol import rundir
 from gpuswap.protocol.env import JobEnv
 from gpuswap.protocol.rundir import Desired, Spawned, Spec
 from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
+
+FORMAT_PARTS = "gpuswap-ckpt/2"    # a multi-rank job's checkpoint (runtime/checkpoint.py's constant)
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
@@ -81,11 +86,24 @@ class Observation:
         return self.report.stopped
 
 
+# A pool node's agent (node/agent.py) is a Ray worker, and Ray kills a worker's direct children
+# when it exits (RAY_kill_child_processes_on_worker_exit, on by default): its supervisors are
+# started through this, which starts one in its own session and exits, so they are nobody's
+# child but init's and outlive the agent. Its stdout says the supervisor's pid.
+_DETACH = ("import subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=2, stderr=2, "
+           "start_new_session=True, cwd='/')\n"
+           "print(p.pid)")
+
+
 class Launcher:
-    def __init__(self, home: Path, simulated: bool, pause_timeout_s: float):
+    def __init__(self, home: Path, simulated: bool, pause_timeout_s: float, detach: bool = False,
+                 ckpt_root: Optional[Path] = None):
         self.home = home
+        self.ckpt_root = ckpt_root              # a pool's shared checkpoint directory (docs/ray.md)
         self.simulated = simulated
         self.pause_timeout_s = pause_timeout_s   # a multi-rank job's supervisor bounds each phase by it
+        self.detach = detach                     # supervisors not our children (a pool agent's)
         self._children: list[subprocess.Popen] = []
 
     def job_dir(self, job_id: int) -> Path:
@@ -95,10 +113,12 @@ class Launcher:
         return self.job_dir(job_id) / f"run-{generation}"
 
     def log_path(self, job_id: int) -> Path:
-        return self.job_dir(job_id) / "output.log"
+        return log_file(self.home, job_id)
 
     def ckpt_dir(self, job_id: int) -> Path:
-        return self.job_dir(job_id) / "ckpt"
+        """Where the job's disk checkpoints are: in its job directory, or in a pool whose nodes
+        share storage, under the shared directory, at the same path on every node."""
+        return self.job_dir(job_id) / "ckpt" if self.ckpt_root is None else self.ckpt_root / str(job_id)
 
     def control_address(self, job_id: int, generation: int) -> str:
         """A path in a directory only the daemon can create entries in: nobody can claim it."""
@@ -118,7 +138,7 @@ class Launcher:
         log = self.log_path(job.id)
         make_file(log, 0o600, *owner)
         given = JobEnv(job_id=str(job.id), control=self.control_address(job.id, generation), ckpt_dir=str(ckpt),
-                       simulated=self.simulated,   # then the simulated driver's directory: daemon.sim_device_dir
+                       simulated=self.simulated,   # then the simulated driver's directory: drivers.sim_device_dir
                        sim_cuda_dir=str(self.home / "simulated-driver") if self.simulated else None)
         extra_env = {"CUDA_VISIBLE_DEVICES": gpu_env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", **given.to_env()}
         groups = _supplementary_groups(job.uid, job.gid)
@@ -129,14 +149,19 @@ class Launcher:
             uid=job.uid, gid=job.gid, groups=groups, log_path=str(log),
             control=self.control_address(job.id, generation), pause_timeout_s=self.pause_timeout_s))
         make_file(run / rundir.SUPERVISOR_ERR, 0o600)
+        argv = [sys.executable, "-m", "gpuswap.node.supervisor", str(run)]
         with open(run / rundir.SUPERVISOR_ERR, "ab") as err:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "gpuswap.node.supervisor", str(run)],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
-                cwd="/",
-            )
-        self._children.append(child)
-        rundir.write(run, rundir.SPAWNED, Spawned(pid=child.pid, time=time.time()))
+            if self.detach:
+                done = subprocess.run([sys.executable, "-c", _DETACH, *argv], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=err, start_new_session=True, cwd="/",
+                                      check=True)
+                pid = int(done.stdout.decode().strip())
+            else:
+                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                         start_new_session=True, cwd="/")
+                self._children.append(child)
+                pid = child.pid
+        rundir.write(run, rundir.SPAWNED, Spawned(pid=pid, time=time.time()))
 
     def spawned(self, job_id: int, generation: int) -> bool:
         return (self.run_dir(job_id, generation) / rundir.SPAWNED).exists()
@@ -155,6 +180,68 @@ class Launcher:
             spawned_at=spawned.time if spawned else None,
         )
 
+    def forget(self, job_id: int) -> bool:
+        """Delete a finished job's files (its directory, and its checkpoints where they are kept
+        apart); False, touching nothing, while a supervisor of it still holds a run lock."""
+        job_dir = self.job_dir(job_id)
+        try:
+            runs = [p for p in job_dir.iterdir() if p.name.startswith("run-")]
+        except OSError:
+            runs = []
+        if any(_lock_held(run / rundir.LOCK) for run in runs):
+            return False
+        shutil.rmtree(job_dir, ignore_errors=True)
+        if self.ckpt_root is not None:
+            shutil.rmtree(self.ckpt_dir(job_id), ignore_errors=True)
+        return not job_dir.exists() and (self.ckpt_root is None or not self.ckpt_dir(job_id).exists())
+
+    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
+        """(step, bytes) of the job's newest committed single-rank disk checkpoint, or None. The
+        manifests are the job owner's files, read here by root: each is opened without following
+        a link or waiting on a FIFO, read only if a small regular file, and its numbers checked.
+        Unverified otherwise: the job's own restore checks the payload's hash."""
+        try:
+            dfd = os.open(self.ckpt_dir(job_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            names = [(int(m.group(1)), n) for n in os.listdir(dfd) if (m := _MANIFEST.match(n))]
+            for _, name in sorted(names, reverse=True):
+                raw = _small_file(name, dfd)
+                try:
+                    data = json.loads(raw) if raw is not None else None
+                except ValueError:
+                    continue
+                if not isinstance(data, dict) or data.get("format") == FORMAT_PARTS:
+                    continue           # unreadable, or a multi-rank job's parts: not requeued
+                step, nbytes = data.get("step"), data.get("bytes")
+                if type(step) is int and type(nbytes) is int and 0 <= step < 2**62 and 0 <= nbytes < 2**62:
+                    return step, nbytes
+            return None
+        finally:
+            os.close(dfd)
+
+    def live_runs(self) -> list[tuple[int, int]]:
+        """(job id, generation) of every supervisor alive under this home (its lock held): what
+        runs here, whatever the records say (a pool node compares it with the head's)."""
+        out = []
+        try:
+            jobs = list(os.scandir(self.home / "jobs"))
+        except FileNotFoundError:
+            return []
+        for entry in jobs:
+            if not entry.name.isdigit() or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                runs = list(os.scandir(entry.path))
+            except OSError:                 # forgotten meanwhile (retention)
+                continue
+            for run in runs:
+                name = run.name
+                if name.startswith("run-") and name[4:].isdigit() and _lock_held(Path(run.path) / rundir.LOCK):
+                    out.append((int(entry.name), int(name[4:])))
+        return sorted(out)
+
     def reap(self) -> None:
         """Collect exited supervisors we spawned, so none lingers as a zombie."""
         self._children = [p for p in self._children if p.poll() is None]
@@ -162,6 +249,32 @@ class Launcher:
 
 CWD_CHECK_TIMEOUT_S = 10.0
 ENV = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"   # coreutils: `env -C DIR CMD`
+
+
+_MANIFEST = re.compile(r"^ckpt-(\d{1,12})\.json$")
+MAX_MANIFEST_BYTES = 64 * 1024
+
+
+def _small_file(name: str, dir_fd: int) -> Optional[bytes]:
+    """A small regular file's bytes, or None: never a link, a FIFO or a device."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            return None
+        return os.read(fd, MAX_MANIFEST_BYTES + 1)[:MAX_MANIFEST_BYTES]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def log_file(home: Path, job_id: int) -> Path:
+    """A job's output, in the state directory of the daemon or pool node that ran it."""
+    return home / "jobs" / str(job_id) / "output.log"
 
 
 def cwd_problem(cwd: str, uid: int, gid: int) -> Optional[str]:

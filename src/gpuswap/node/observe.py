@@ -232,6 +232,28 @@ def _supervisor_died(job: JobRecord, obs: Observation, orphans: int, now: float)
                 stopped=False, event=NewEvent(K.FAILED, why))
 
 
+def node_lost(job: JobRecord, why: str, now: float) -> Transition:
+    """A pool's node lost for good (Pool.lost): nothing of the job can be observed or controlled
+    any more. It ends FAILED with its GPUs and park released; how it exited is not known, so no
+    exit code or signal is recorded. A disk checkpoint stays on that node's disk."""
+    where = (f"; its disk checkpoint (step {job.step}) stays on that node" if job.parked == "disk" and job.step
+             is not None else "; its disk checkpoint stays on that node" if job.parked == "disk" else "")
+    return _end(job, now, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
+                stopped=False, desired="running", desired_tier=None,
+                event=NewEvent(K.FAILED, f"{why}; how the job ended there is not known{where}"))
+
+
+def node_lost_requeued(job: JobRecord, why: str, step: int, nbytes: int, now: float) -> Transition:
+    """A pool's node lost for good, but the job's last disk checkpoint (at `step`) is on storage
+    other nodes reach: it is parked on disk there again, as if it had been parked at that step,
+    and resumes on one of them (the work since that step is redone; what it did there is lost)."""
+    return Transition(now, dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=step,
+                                mechanism="cooperative", assigned=[], stopped=False, desired="running",
+                                desired_tier=None), NewEvent(
+        K.REQUEUED, f"{why}; requeued from its last disk checkpoint (step {step}, {format_size(nbytes)}), "
+                    "on storage other nodes reach"))
+
+
 def _end(job: JobRecord, now: float, event: NewEvent, **changes: Any) -> Transition:
     """Record a terminal state. A completed or cancelled job's checkpoints are dropped (nothing
     will resume them and nobody asked to keep them); a failed job's stay in jobs/ID/ckpt, its

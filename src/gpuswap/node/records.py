@@ -82,6 +82,9 @@ class JobRecord:
     estimate_s: Optional[float] = None
     estimate_from: Optional[str] = None
     estimate_runs: int = 0
+    # The node of a pool (docs/ray.md) it runs or is parked on, with `assigned` and `home_gpus` that
+    # node's own GPU indices; None on a single machine (and before a pool starts it).
+    node: Optional[str] = None
 
     @property
     def holds_gpu(self) -> bool:

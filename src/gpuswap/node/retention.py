@@ -1,5 +1,6 @@
 """Forgetting finished jobs after `--retention` (default 30 days): their database rows (record,
-argv, events, decisions) and their `jobs/ID` directory (output.log, run dirs, checkpoints).
+argv, events, decisions) and their `jobs/ID` directory (output.log, run dirs, checkpoints), in a
+pool on the node that ran them (its agent deletes them there).
 
 Without it the state grew for ever (59 MB of directories for 2,500 trivial jobs). The sweep runs
 on its own thread in small batches, so the controller and the API never wait on it, and it never
@@ -11,15 +12,13 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import threading
 import time
 from typing import Callable, Optional
 
 from gpuswap.node.launcher import Launcher
-from gpuswap.node.launcher import _lock_held as lock_held
+from gpuswap.node.pool import Pool
 from gpuswap.node.store import Store
-from gpuswap.protocol import rundir
 
 log = logging.getLogger("gpuswap.retention")
 
@@ -43,8 +42,9 @@ class RetentionSweeper:
     """A daemon thread that, every `interval_s`, forgets jobs that ended over `retention_s` ago."""
 
     def __init__(self, store: Store, launcher: Launcher, retention_s: float,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, pool: Optional[Pool] = None):
         self.store, self.launcher, self.retention_s, self.clock = store, launcher, retention_s, clock
+        self.pool = pool              # a pool's jobs' files are on their nodes
         self.interval_s = min(3600.0, max(1.0, retention_s / 10))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -75,20 +75,25 @@ class RetentionSweeper:
             if not ids:
                 break
             for job_id in ids:
-                if self._busy(job_id):    # a supervisor still runs (should not be, once final)
+                if not self._forget_files(job_id):   # a supervisor still runs, or its node is away
                     skipped.add(job_id)
                     continue
-                shutil.rmtree(self.launcher.job_dir(job_id), ignore_errors=True)
                 forgotten += self.store.delete_finished(job_id)
             time.sleep(0.01)     # let the API and the controller have the store between batches
         if forgotten:
             log.info("retention: forgot %d job(s) that ended over %gs ago", forgotten, self.retention_s)
         return forgotten
 
-    def _busy(self, job_id: int) -> bool:
-        job_dir = self.launcher.job_dir(job_id)
+    def _forget_files(self, job_id: int) -> bool:
+        """Its files deleted where they are: here, or on its pool node (through its agent). False
+        while a supervisor of it still runs (it should not, once final) or its node is not in the
+        pool now: the record stays, so the files are not orphaned, and the next sweep tries again."""
+        if self.pool is None or self.pool.single:
+            return self.launcher.forget(job_id)
+        job = self.store.get(job_id)
+        if job is None or job.node is None:      # never placed: nothing on any node
+            return self.launcher.forget(job_id)
         try:
-            runs = [p for p in job_dir.iterdir() if p.name.startswith("run-")]
-        except OSError:
+            return self.pool.on(job.node).forget(job_id)
+        except Exception:
             return False
-        return any(lock_held(run / rundir.LOCK) for run in runs)

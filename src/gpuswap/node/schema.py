@@ -263,6 +263,11 @@ def _estimates(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS jobs_user_end ON jobs(user, end_time)")
 
 
+def _node(db: sqlite3.Connection) -> None:
+    if "node" not in columns(db, "jobs"):
+        db.execute("ALTER TABLE jobs ADD COLUMN node TEXT")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
@@ -273,6 +278,7 @@ STEPS: tuple[Step, ...] = (
     Step(4, "class_usage: each user's decayed GPU-time in the urgent and high classes", _class_usage),
     Step(5, "jobs gain time_limit_s and their runtime estimate (estimate_s, estimate_from, estimate_runs)",
          _estimates),
+    Step(6, "jobs gain node, the pool node a job runs or is parked on (NULL: the daemon's own machine)", _node),
 )
 LATEST = STEPS[-1].version
 

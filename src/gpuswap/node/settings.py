@@ -19,6 +19,7 @@ import difflib
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,14 @@ def _listen(raw: Any, name: str) -> str:
     return raw
 
 
+def _ray_address(raw: Any, name: str) -> str:
+    """"auto", or a Ray cluster's address: HOST:PORT, or a ray:// URL."""
+    text = _string(raw, name).strip()
+    if text == "auto" or text.startswith("ray://") or re.fullmatch(r"[^\s:/]+:\d{1,5}", text):
+        return text
+    raise ValueError(f"{name} {raw!r}: write auto, or the Ray cluster's address as HOST:PORT")
+
+
 def _directory(raw: Any, name: str) -> Path:
     if not _string(raw, name).strip():
         raise ValueError(f"{name} must name a directory, not an empty string")
@@ -230,6 +239,13 @@ class ServerSettings:
         None, "simulate-gpus", 'simulated GPUs for machines without one, e.g. "2x80GiB" (COUNTxSIZE; '
         "a bare COUNT is of 80 GiB); no real GPU is used, and every view says SIMULATED", _gpu_spec,
         unit="SPEC", default_text="the machine's real GPUs")
+    ray: Optional[str] = _setting(
+        None, "ray", 'schedule the GPUs of every node of a Ray cluster as one pool: "auto" for the '
+        "cluster this machine belongs to, or its address (HOST:PORT); needs gpuswap[ray] (docs/ray.md)",
+        _ray_address, unit="ADDRESS", default_text="this machine alone")
+    node_lost_s: float = _setting(
+        600.0, "node-lost-after", "with --ray: a node Ray reports gone (or not seen since the head "
+        "started) this long is lost for good; its jobs end FAILED (docs/ray.md)", _number, unit="SECONDS")
     policy: str = _setting(
         DEFAULT_POLICY, "policy", f"scheduling policy: {', '.join(LIVE_POLICIES)} (docs/policies.md)", _policy,
         unit="NAME")

@@ -65,7 +65,9 @@ class Applier:
         self.store, self.bandwidths, self.ckpt_dir = store, bandwidths, ckpt_dir
         self._killing: set[int] = set()     # jobs whose orphaned processes are being killed
 
-    def apply(self, job_id: int, t: Transition) -> None:
+    def apply(self, job_id: int, t: Transition, node: Optional[Any] = None) -> None:
+        """`node`: where the job's node-local effects are performed (node/pool.py's `Node.effect`:
+        a pool node's agent); None: here, on this machine."""
         if t.changes or t.event is not None:
             self.store.update(job_id, t.at, event=t.event, **t.changes)
         if t.changes.get("state") is not None:
@@ -76,12 +78,21 @@ class Applier:
                     self.bandwidths.observe_seconds(e.field, e.seconds)
                 else:
                     self.bandwidths.observe(e.field, e.nbytes, e.seconds)
-            elif isinstance(e, KillProcesses):
-                sessions.kill(e.session, e.start_ticks)
-                processes.kill_pids(list(e.ranks))
-                if job_id not in self._killing:
-                    self._killing.add(job_id)
-                    log.warning("job %d: its supervisor died; killing the processes of its session %d",
-                                job_id, e.session)
-            elif isinstance(e, RemoveCheckpoints):
-                shutil.rmtree(self.ckpt_dir(e.job_id), ignore_errors=True)
+                continue
+            if node is not None:
+                node.effect(job_id, e)
+            else:
+                perform(e, self.ckpt_dir)
+            if isinstance(e, KillProcesses) and job_id not in self._killing:
+                self._killing.add(job_id)
+                log.warning("job %d: its supervisor died; killing the processes of its session %d",
+                            job_id, e.session)
+
+
+def perform(e: Effect, ckpt_dir: Callable[[int], Path]) -> None:
+    """A transition's node-local effect, on the machine the job runs on."""
+    if isinstance(e, KillProcesses):
+        sessions.kill(e.session, e.start_ticks)
+        processes.kill_pids(list(e.ranks))
+    elif isinstance(e, RemoveCheckpoints):
+        shutil.rmtree(ckpt_dir(e.job_id), ignore_errors=True)

@@ -50,6 +50,7 @@ FLOOR = 10
 HEAD = FLOOR + 1
 BUDGETED = (int(Priority.URGENT), int(Priority.HIGH))   # classes whose GPU-time a user is budgeted
 
+_HEALTHY: list = [None, 0]   # memo: the last GPU tuple seen and its healthy GPUs
 _HOLDING = frozenset({Phase.RUNNING, Phase.RESUMING})
 _WAITING = frozenset({Phase.PENDING, Phase.PAUSED})
 
@@ -103,26 +104,27 @@ def floor_gpus(snap: Snapshot) -> int:
     share = snap.config.class_floor_share
     if share <= 0:
         return 0
-    healthy = sum(1 for g in snap.gpus if g.healthy)
-    return math.floor(share * healthy + 1e-9)
+    if _HEALTHY[0] is not snap.gpus:        # the same GPUs call after call: counted once
+        _HEALTHY[0], _HEALTHY[1] = snap.gpus, sum(1 for g in snap.gpus if g.healthy)
+    return math.floor(share * _HEALTHY[1] + 1e-9)
 
 
 def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> Limits:
     """The budget demotions and floors of `snap`. `keys`: the policy's order within a class of
     many jobs (lower is more deserving), which picks the holders a floor protects and the waiting
-    jobs it lifts. Runs on every decision: one pass over the jobs, and the order of a class's
-    waiting jobs only when the class is under its floor, taken from a heap as far as needed."""
+    jobs it lifts. Runs on every decision: a few passes over the jobs (comprehensions: one loop
+    with appends cost more), and the order of a class's waiting jobs only when the class is under
+    its floor, taken from a heap as far as needed."""
     cfg = snap.config
     base: dict[str, int] = {}
     head: set[str] = set()
     if cfg.class_budget_gpu_h != math.inf:
         usage, budget = snap.class_usage, budget_gpu_s(cfg)
-        for j in snap.jobs:
-            if j.priority in BUDGETED:
-                if usage.get((j.user, j.priority), 0.0) > budget:
-                    base[j.id] = j.priority - 1
-                else:
-                    head.add(j.id)
+        for j in [j for j in snap.jobs if j.priority in BUDGETED]:     # few: above normal
+            if usage.get((j.user, j.priority), 0.0) > budget:
+                base[j.id] = j.priority - 1
+            else:
+                head.add(j.id)
     floor = floor_gpus(snap)
     if floor <= 0:
         return Limits(base, head=frozenset(head)) if base else NONE
@@ -130,26 +132,21 @@ def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> 
         free_classes = {j.priority for j in snap.jobs}     # start, nothing to hold a floor against
         if len(free_classes.difference(BUDGETED) if head else free_classes) < 2:
             return NONE
+    holding, queued, jobs = _HOLDING, _WAITING, snap.jobs
+    # Comprehensions, not one loop: this runs on every decision, over every job.
+    holder_jobs = [j for j in jobs if j.phase in holding or j.holds_gpu_while_paused]
+    waiting_jobs = [j for j in jobs if j.phase in queued and not j.holds_gpu_while_paused]  # (a
+    if head:                                # PAUSING job is leaving its GPUs: in neither)
+        holder_jobs = [j for j in holder_jobs if j.id not in head]      # outside the floors
+        waiting_jobs = [j for j in waiting_jobs if j.id not in head]
     holders: dict[int, list[JobView]] = defaultdict(list)
-    waiting: dict[int, list[JobView]] = defaultdict(list)
-    holding, queued = _HOLDING, _WAITING
-    jobs = [j for j in snap.jobs if j.id not in head] if head else snap.jobs   # outside the floors
-    if base:
-        for j in jobs:
-            phase = j.phase
-            if phase in holding or j.holds_gpu_while_paused:
-                holders[base.get(j.id, j.priority)].append(j)
-            elif phase in queued:
-                waiting[base.get(j.id, j.priority)].append(j)
-    else:                                   # written twice: this pass runs on every decision
-        for j in jobs:
-            phase = j.phase
-            if phase in holding or j.holds_gpu_while_paused:
-                holders[j.priority].append(j)
-            elif phase in queued:           # (a PAUSING job is leaving its GPUs: in neither)
-                waiting[j.priority].append(j)
+    for j in holder_jobs:
+        holders[base.get(j.id, j.priority)].append(j)
+    waiting_class = ([base.get(j.id, j.priority) for j in waiting_jobs] if base
+                     else [j.priority for j in waiting_jobs])
+    waiting = set(waiting_class)            # the classes with waiting jobs
     held_by = {c: sum(j.gpus for j in mine) for c, mine in holders.items()}
-    present = set(holders) | set(waiting)
+    present = set(holders) | waiting
     if len(present) < 2:
         return Limits(base, head=frozenset(head)) if base else NONE
     top = max(present)                      # the highest class present needs no floor
@@ -170,7 +167,7 @@ def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> 
                 held += j.gpus
                 protected.append(j.id)
         if held < floor and c in waiting:
-            mine = waiting[c]
+            mine = [j for j, k in zip(waiting_jobs, waiting_class) if k == c]
             heap = list(zip(keys(mine), range(len(mine))))
             heapify(heap)
             while heap and held < floor:

@@ -51,7 +51,9 @@ class ClusterState:
         self.pending: dict[str, list[int]] = defaultdict(list)
         stopped: dict[int, int] = {}        # GPU -> bytes a stopped job keeps on it
         ram_used, job_node = self.ram_used, self.job_node
-        for j in [j for j in self.waiting if j.parked == "ram" and j.phase is paused]:  # PENDING jobs park nothing
+        # The RAM-parked waiting jobs (PENDING jobs park nothing), in snapshot order.
+        self.in_ram: list[JobView] = [j for j in self.waiting if j.parked == "ram" and j.phase is paused]
+        for j in self.in_ram:
             ram_used[j.node or job_node(j)] += j.parked_bytes or job_bytes(j)
         for j in self.special:              # only these can keep a residue (on their home GPUs) or GPUs
             if j.phase is not paused:
@@ -210,7 +212,10 @@ class ClusterState:
         return node, got
 
     def candidate_nodes(self, w: JobView) -> list[str]:
-        """Where `w` may run: a RAM-parked job only on the node holding its state."""
+        """Where `w` may run: a RAM-parked job only on the node holding its state, a disk-parked
+        one where its checkpoint is reachable (`disk_nodes`; empty: anywhere)."""
         if w.phase is Phase.PAUSED and w.parked == "ram" and w.node:
             return [w.node] if w.node in self.ram_free else []
+        if w.phase is Phase.PAUSED and w.parked == "disk" and w.disk_nodes:
+            return [n for n in self.nodes if n in w.disk_nodes]
         return self.nodes

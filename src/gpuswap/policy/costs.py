@@ -21,8 +21,27 @@ def job_bytes(job: JobView) -> int:
 def switch_s(job: JobView, tier: str, costs: SwitchCosts) -> float:
     """Seconds of GPU time lost to one park plus the matching resume (the round trip), at the
     job's width (policy/capability.py: ranks copy in parallel, plus the group's fixed cost)."""
-    nbytes = job_bytes(job)
-    return park_s(costs, nbytes, tier, job.width) + resume_s(costs, nbytes, tier, job.width)
+    return park_resume_s(costs, job_bytes(job), tier, job.width)
+
+
+_ROUND_TRIPS: list = [None, {}]   # memo: the SwitchCosts last seen, (bytes, width, tier) -> round trip
+_ROUND_TRIPS_MAX = 4096           # distinct footprints kept before the memo starts afresh
+
+
+def park_resume_s(costs: SwitchCosts, nbytes: int, tier: str, width: int) -> float:
+    """`park_s + resume_s` of `nbytes` held by `width` ranks at `tier`: the same sum, kept per
+    footprint. A round scores every victim on every node (and again after each pause there),
+    and a victim's cost is worked out rank by rank (capability.py): most of a big round's cost
+    went to recomputing the same few sums. (Keyed by the costs' identity: they are fixed for a
+    run of the simulator and change rarely in the daemon.)"""
+    memo = _ROUND_TRIPS
+    if memo[0] is not costs or len(memo[1]) > _ROUND_TRIPS_MAX:
+        memo[0], memo[1] = costs, {}
+    key = (nbytes, width, tier)
+    s = memo[1].get(key)
+    if s is None:
+        s = memo[1][key] = park_s(costs, nbytes, tier, width) + resume_s(costs, nbytes, tier, width)
+    return s
 
 
 def ram_free_by_node(ram_budget: Mapping[str, int], ram_used: Mapping[str, int],
@@ -70,7 +89,7 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
     w = job.width
     best: Optional[tuple[float, int, str, tuple[JobView, ...]]] = None
     if "ram" in tiers:                      # the hot path: called for every victim scored
-        ram_gpu_s = (park_s(costs, nbytes, "ram", w) + resume_s(costs, nbytes, "ram", w)) * gpus
+        ram_gpu_s = park_resume_s(costs, nbytes, "ram", w) * gpus
         if ram_room >= nbytes:
             best = (ram_gpu_s, 0, "ram", ())
         elif config.allow_disk:
@@ -84,7 +103,7 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
             if room >= nbytes:
                 best = (ram_gpu_s + penalty, len(chosen), "ram", tuple(chosen))
     if "disk" in tiers and config.allow_disk:
-        disk = ((park_s(costs, nbytes, "disk", w) + resume_s(costs, nbytes, "disk", w)) * gpus, 0, "disk", ())
+        disk = (park_resume_s(costs, nbytes, "disk", w) * gpus, 0, "disk", ())
         if best is None or disk[:2] < best[:2]:
             best = disk
     return ParkPlan(best[2], best[0], best[3]) if best is not None else None

@@ -31,21 +31,25 @@ def schedule(snap: Snapshot, spec: Spec) -> list[Decision]:
     ctx = make_ctx(snap, spec)
     cl = ClusterState(snap)
     pre = None
+    below: Optional[list[JobView]] = None    # full: the waiting jobs that may pause someone
     if cl.max_free == 0 and cl.max_soon == 0 and not cl.lendable:
         if spec.preemptive:
             pre = Preemption(snap, spec, ctx, cl)
-        if ((pre is None or pre.max_level is None
-             or (spec.none_below is not None and spec.none_below(cl.waiting, ctx, pre.max_level)))
-                and not any(j.holds_gpu_while_paused for j in cl.special)):
+        if pre is not None and pre.max_level is not None and spec.below is not None:
+            below = spec.below(cl.waiting, ctx, pre.max_level)
+            nobody = not below
+        else:
+            nobody = (pre is None or pre.max_level is None
+                      or (spec.none_below is not None and spec.none_below(cl.waiting, ctx, pre.max_level)))
+        if nobody and not any(j.holds_gpu_while_paused for j in cl.special):
             # Full, and nobody may be paused (none at all, or none by any waiting job: all levels
             # are at least the highest victim's): no job can start, resume or preempt, whatever
             # the order, which is not computed -- with a deep queue it is most of a call's cost.
             over = any(n in snap.ram_budget and used > snap.ram_budget[n] for n, used in cl.ram_used.items())
             if not over:
                 return []
-            in_ram = [j for j in cl.waiting if j.parked == "ram" and j.phase is Phase.PAUSED]
-            return _spills(snap, _queue(in_ram, spec, ctx).in_ram, set(), cl)
-    return _Round(snap, spec, ctx, cl, pre=pre).run()
+            return _spills(snap, _queue(cl.in_ram, spec, ctx).in_ram, set(), cl)
+    return _Round(snap, spec, ctx, cl, pre=pre, below=below).run()
 
 
 def schedule_explained(snap: Snapshot, spec: Spec) -> tuple[list[Decision], dict[str, Wait]]:
@@ -62,8 +66,10 @@ class _Round:
     """One pass over the waiting jobs in policy order, each served by the first rule that fits."""
 
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState,
-                 why: Optional[Explainer] = None, pre: Optional[Preemption] = None):
+                 why: Optional[Explainer] = None, pre: Optional[Preemption] = None,
+                 below: Optional[list[JobView]] = None):
         self.snap, self.spec, self.ctx, self.cl = snap, spec, ctx, cl
+        self.below = below                         # see `_waiting`
         self.why = why                             # explains the jobs passed over (daemon only)
         self.out: list[Decision] = []
         self.pre: Optional[Preemption] = pre       # built on first need: most calls never need it
@@ -76,8 +82,23 @@ class _Round:
         self.reservations = Reservations(snap, spec, ctx, cl, why)
         self.reserved = self.reservations.reserved  # node -> the job holding its reservation (same dict)
 
+    def _waiting(self) -> list[JobView]:
+        """The waiting jobs the round must order. All of them, except on a cluster full from the
+        start (nothing free, coming free or lendable, and so till the round ends) with no pinned
+        or stopped job: there the round serves jobs in order while each may pause someone, and
+        the first that may not -- its level at least the highest victim's left, which only falls
+        -- ends it. Levels rise along the order, so the jobs below the highest victim's level at
+        the start (`Spec.below`) are all it can reach; and the RAM-parked ones, whose order picks
+        the spills. The same round, with the order of a deep queue's thousands of jobs no longer
+        computed on the many calls where a few may preempt (keys end with the job id: no ties)."""
+        cl = self.cl
+        if self.below is None or cl.special or self.why is not None:
+            return cl.waiting
+        below = {j.id for j in self.below}
+        return self.below + [j for j in cl.in_ram if j.id not in below]
+
     def run(self) -> list[Decision]:
-        queue = _queue(self.cl.waiting, self.spec, self.ctx)
+        queue = _queue(self._waiting(), self.spec, self.ctx)
         self.cl.set_order(queue.in_ram)
         done = False                        # nothing is left for the jobs still in the queue
         for key, w in queue:
@@ -147,7 +168,8 @@ class _Round:
         if cl.residue and cl.max_free >= need and self._clear_residue(w, key, nodes, need):
             return False
         if w.parked == "ram" and cl.max_free >= need and "disk" in w.tiers and self.snap.config.allow_disk:
-            elsewhere = [n for n in cl.nodes if n != w.node and len(free[n]) >= need]
+            elsewhere = [n for n in cl.nodes if n != w.node and len(free[n]) >= need
+                         and (not w.disk_nodes or n in w.disk_nodes)]
             if elsewhere:                   # its node is full but GPUs idle elsewhere: relocate via disk
                 self.out.append(Spill(w.id, f"{w.node} is busy; moved to disk to resume on another node"))
                 self.resumed.add(w.id)

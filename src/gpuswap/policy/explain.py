@@ -19,8 +19,8 @@ from gpuswap.policy.costs import park_plan
 from gpuswap.policy.residue import after_park, kept_text
 from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
 from gpuswap.policy.classes import class_of, describe, floor_refusal
-from gpuswap.policy.gpuswap import gs_band
-from gpuswap.policy.specs import Ctx, Spec, label, las_queue, service_s
+from gpuswap.policy.gpuswap import gs_band, may_take_by_promotion
+from gpuswap.policy.specs import Ctx, Spec, label, las_queue, service_s, starving
 from gpuswap.policy.victims import protection, switch_cap_numbers, under_switch_cap
 
 
@@ -71,7 +71,9 @@ class Explainer:
         if gpus is None:
             nodes = cl.candidate_nodes(w)
             if not nodes:
-                self.say(w, "Resources", f"its parked state is on node {w.node}, which has no GPU now")
+                self.say(w, "Resources", f"its disk checkpoint is reachable only from {', '.join(w.disk_nodes)}, "
+                                         "not in the pool now" if w.parked == "disk" else
+                                         f"its parked state is on node {w.node}, which has no GPU now")
                 return
             node = max(nodes, key=lambda n: (len(cl.free[n]), n == w.node, n))
             wanted = [g.id for g in snap.gpus if g.node == node]
@@ -171,6 +173,10 @@ class Explainer:
         if floor is not None:
             return "ClassFloor", floor, {"floor_gpus": ctx.lim.floor_gpus}
         if spec.benefit_ok is not None and not spec.benefit_ok(w, v, ctx, cost):
+            if spec.name == "gpuswap" and starving(w, ctx) and may_take_by_promotion(w, v, ctx) is False:
+                return ("PromotionSpared",
+                        f"has waited {ctx.config.las_starvation_factor:g}x its run time itself: a job promoted "
+                        "for waiting does not take its GPUs by promotion alone", {})
             gain = service_s(v) - service_s(w)
             factor = snap.config.switch_benefit_factor
             return ("Benefit", f"same class; the gain ({gain:.0f} s less service) is under {factor:g}x the "

@@ -6,7 +6,7 @@ benefit versus switch cost (docs/policies.md). Its rules plug into the one engin
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 from gpuswap.policy import classes
 from gpuswap.policy.classes import FLOOR, HEAD, class_of, level_class
@@ -125,6 +125,33 @@ def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     return True
 
 
+def _gs_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> list[JobView]:
+    """The jobs whose (class, band) is below bound's: a higher class, or bound's class and a lower
+    band (`_gs_none_below`'s test, over every job; `gs_class` written out)."""
+    top, b_min = -bound[0], bound[1]
+    now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
+    below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
+    lim = c.lim
+    if lim.active:
+        lifted, base, head = lim.lifted, lim.base, lim.head
+        classes = [FLOOR if j.id in lifted else base.get(j.id, j.priority) + (HEAD if j.id in head else 0)
+                   for j in jobs]
+    else:
+        classes = [j.priority for j in jobs]
+    out: list[JobView] = []
+    append = out.append
+    for j, p in zip(jobs, classes):
+        if p > top:
+            append(j)
+        elif p < top or b_min <= 0:
+            continue
+        elif (j.attained_gpu_s / j.gpus if j.gpus > 1 else j.attained_gpu_s) < below:
+            append(j)
+        elif j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
+            append(j)                       # starving: promoted to band 0
+    return out
+
+
 def _gs_victim(v: JobView, c: Ctx, cost: float) -> Key:
     """The job the order ranks last goes first: lowest class, highest band, most expected remaining
     time on the band scale (`left_band`: a job its estimate says is nearly done goes last); then the
@@ -153,18 +180,62 @@ def _gs_benefit(w: JobView, v: JobView, c: Ctx, cost: float) -> bool:
             return False            # a floor: protected from other classes; a lifted job takes from them
         if w.id in lim.lifted:
             return True             # a promise, like a class: its class is under its floor
-        if gs_class(w, c) > gs_class(v, c) or starving(w, c):
+        if gs_class(w, c) > gs_class(v, c):
             return True
-    elif w.priority > v.priority or starving(w, c):
-        return True                 # a promise, like a class: promotion must be able to run the job
+    elif w.priority > v.priority:
+        return True                 # a promise, like a class
+    if starving(w, c):
+        promised = may_take_by_promotion(w, v, c)
+        if promised is not None:
+            return promised
     return expected_left(v) - expected_left(w) >= c.config.switch_benefit_factor * cost
 
 
+def starved(v: JobView, c: Ctx) -> bool:
+    """Whether `v` has waited, over its whole life, `las_starvation_factor` x its run time (the
+    bound the promotion keeps): queued, parked or switching, everything but running."""
+    return v.run_s > 0 and c.now - v.submit_time - v.run_s - v.switch_s >= c.config.las_starvation_factor * v.run_s
+
+
+def may_take_by_promotion(w: JobView, v: JobView, c: Ctx) -> Optional[bool]:
+    """For starving `w` (promoted to band 0): True when the promotion lets it pause `v` whatever
+    the gain (a promise, or the promotion could never run it); False when only the promotion put
+    it below `v` and `v` has starved as long itself; None: the benefit gate decides, as for any
+    job of `w`'s service.
+
+    A promoted job does not take the GPUs of a job that has itself waited the promotion's bound
+    over its life (`starved`): that only moves the starving from one job to the other, and back
+    once the other has waited in turn. On a deep queue (8,000 jobs of one Philly cluster on 48
+    GPUs) nearly every job that had run once was soon starving, and starving jobs paused one
+    another as soon as each one's protection ended: 5.0 preemptions per job, 84% of them by
+    promotion (docs/simulator.md). Tiresias avoids it by resetting a promoted job's attained
+    service, which a pure policy cannot do. (`promotion_spares_starved = False`: the old rule.)"""
+    if not (c.config.promotion_spares_starved and starved(v, c)):
+        return True
+    if own_band(w, c) >= gs_band(v, c):
+        return False
+    return None
+
+
+def own_band(w: JobView, c: Ctx) -> int:
+    """`w`'s band by its service alone, promotion aside."""
+    return bisect_right(c.config.gpuswap_bands_s, service_s(w))
+
+
 def _gs_benefit_rank(w: JobView, c: Ctx) -> tuple[Hashable, float]:
-    rank = float("-inf") if starving(w, c) else expected_left(w)
-    if c.lim.active:                # lifted or not, and the class it is treated at
-        return (gs_class(w, c), class_of(w, c.lim), w.id in c.lim.head), rank
-    return w.priority, rank
+    """Plans are kept per (group, rank) (preemption.py): within a group the gate is monotone in
+    the rank, so one plan serves every job of a width at that rank. A lifted job's gate reads
+    neither its estimate nor its starvation (`_gs_benefit`: a floor's promise), so all lifted jobs
+    of a class rank alike, at -inf -- with a class under its floor, tens of them pause victims in
+    one decision. A starving job gains what the gate gives any job of its expected remaining time,
+    and besides what the promotion gives, which depends on its own band: a group of its own per band."""
+    lim = c.lim
+    if lim.active:                  # lifted or not, and the class it is treated at
+        group = (gs_class(w, c), class_of(w, lim), w.id in lim.head)
+        if w.id in lim.lifted:
+            return group + (None,), float("-inf")
+        return group + (own_band(w, c) if starving(w, c) else None,), expected_left(w)
+    return (w.priority, own_band(w, c) if starving(w, c) else None), expected_left(w)
 
 
 def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
@@ -181,6 +252,6 @@ def _gs_why(w: JobView, v: JobView, c: Ctx) -> str:
 
 GPUSWAP = Spec("gpuswap", True, _gs_order, _gs_level, _gs_victim, _gs_why, switch_cap=True,
                benefit_ok=_gs_benefit, benefit_rank=_gs_benefit_rank, class_limits=True,
-               level_prefix=2, orders=_gs_orders, none_below=_gs_none_below,
+               level_prefix=2, orders=_gs_orders, none_below=_gs_none_below, below=_gs_below,
                running_levels=band_levels(lambda cfg: cfg.gpuswap_bands_s, by_class=True, per_gpu=True),
                reserves=True)

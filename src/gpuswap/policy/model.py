@@ -78,6 +78,10 @@ class JobView:
     # median of its family's recent finished runs), or None. gpuswap ranks by the time it leaves
     # (estimate - run_s) while that is > 0; a job without one, or past it, is ranked by its service.
     estimate_s: Optional[float] = None
+    # In a pool: the nodes a disk checkpoint of this job reaches (its node alone, or those sharing
+    # its storage, docs/ray.md). Parked to disk it resumes only there, and a RAM-parked job is
+    # spilled to move only there. Empty: every node (one machine, and the simulator).
+    disk_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +154,11 @@ class PolicyConfig:
     class_budget_gpu_h: float = 192.0
     class_half_life_s: float = 24 * 3600.0
     class_floor_share: float = 0.25
+    # gpuswap: a job promoted for starving (waited las_starvation_factor x its run time in its
+    # current wait) does not pause by promotion alone a job that has itself waited that factor x its
+    # run time over its life (gpuswap.may_take_by_promotion): that only moved the starving back
+    # and forth (5 preemptions per job on a deep queue). False: the old rule.
+    promotion_spares_starved: bool = True
 
 
 @dataclass(frozen=True, slots=True)

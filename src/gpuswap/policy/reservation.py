@@ -30,7 +30,9 @@ class Reservations:
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
         self._seen = 0
-        self._order: Optional[dict[str, tuple]] = None   # running job id -> its order key (fallback only)
+        # Per node, its running jobs' (order key, GPUs held, id), built once per round on the
+        # first fallback (`_behind_node`): each use then reads one node's few jobs, not them all.
+        self._held_on: Optional[dict[str, list[tuple[tuple, int, str]]]] = None
 
     def take(self, w: JobView, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
         """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
@@ -93,18 +95,21 @@ class Reservations:
                      pre: Optional[Preemption]) -> Optional[str]:
         """The node where free and coming-free GPUs, holders `w` may pause and holders that rank
         behind `w` in the order together cover its need (the most such GPUs, then the name)."""
-        if self._order is None:             # the running jobs' order keys, once per round
-            order, ctx = self.spec.order, self.ctx
-            self._order = {v.id: order(v, ctx) for v in self.cl.running}
+        held_on = self._held_on
+        if held_on is None:                 # the running jobs' order keys by node, once per round
+            order, ctx, job_node = self.spec.order, self.ctx, self.cl.job_node
+            held_on = self._held_on = {}
+            for v in self.cl.running:
+                held_on.setdefault(job_node(v), []).append((order(v, ctx), len(v.assigned), v.id))
         mine = self.spec.order(w, self.ctx)
         free, pending = self.cl.pools_for(w)
         best: Optional[tuple[int, str]] = None
         for node in nodes:
             pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
             got = len(free[node]) + len(pending[node])
-            for v in self.cl.running:
-                if self.cl.job_node(v) == node and (v.id in pausable or self._order[v.id] > mine):
-                    got += len(v.assigned)
+            for key, n, vid in held_on.get(node, ()):
+                if vid in pausable or key > mine:
+                    got += n
             if got >= need and (best is None or (-got, node) < best):
                 best = (-got, node)
         return None if best is None else best[1]

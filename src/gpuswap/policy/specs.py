@@ -61,6 +61,10 @@ class Spec:
     # without ordering the queue and stopping at the first that is. When it holds on a full cluster,
     # nobody can be served and the round is skipped: with a deep queue most calls are such.
     none_below: Optional[Callable[[Sequence[JobView], Ctx, Key], bool]] = None
+    # Optional: the waiting jobs whose level is below `bound`, in their order in `jobs` (empty
+    # exactly when `none_below` holds). On a full cluster the round then orders only these and
+    # the RAM-parked (engine.py, `_Round._waiting`): one cheap pass instead of every job's key.
+    below: Optional[Callable[[Sequence[JobView], Ctx, Key], list[JobView]]] = None
     # Reservations for jobs that waited past config.reserve_after_s (issue 15, item 2; reservation.py).
     # gpuswap only: the other policies reproduce published schemes (Tiresias, Gandiva, FIFO with
     # backfill) that do not reserve, and their tables are compared with those schemes' own.
@@ -135,6 +139,11 @@ def _prio_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     return not jobs or (-max([j.priority for j in jobs]),) >= bound
 
 
+def _prio_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> list[JobView]:
+    top = -bound[0]
+    return [j for j in jobs if j.priority > top]
+
+
 def _prio_victim(v: JobView, c: Ctx, cost: float) -> Key:
     return (v.priority, -since_start(v), v.id)      # lowest class, then the most recently started
 
@@ -179,6 +188,17 @@ def _las_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
         if j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             return False                    # starving: promoted to queue 0
     return True
+
+
+def _las_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> list[JobView]:
+    """The jobs whose LAS queue is below bound's (`las_queue` written out, as in `_las_none_below`)."""
+    q_min = bound[0]
+    if q_min <= 0:
+        return []
+    now, factor, waiting = c.now, c.config.las_starvation_factor, WAITING
+    below = c.config.las_thresholds_gpu_s[q_min - 1]
+    return [j for j in jobs if j.attained_gpu_s < below
+            or (j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s)]
 
 
 def joined_queue_at(v: JobView, c: Ctx, q: int) -> float:
@@ -245,6 +265,10 @@ def _srtf_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     return all((_remaining(j),) >= bound for j in jobs)
 
 
+def _srtf_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> list[JobView]:
+    return [j for j in jobs if (_remaining(j),) < bound]
+
+
 def _srtf_victim(v: JobView, c: Ctx, cost: float) -> Key:
     return (-_remaining(v), v.id)
 
@@ -273,11 +297,12 @@ def band_levels(thresholds: Callable[[PolicyConfig], tuple[float, ...]], by_clas
 
 FIFO = Spec("fifo", False, _fifo_order, _prio_level, _prio_victim, _prio_why, orders=_fifo_orders)
 PRIORITY = Spec("priority", True, _prio_order, _prio_level, _prio_victim, _prio_why,
-                level_prefix=1, orders=_prio_orders, none_below=_prio_none_below)
+                level_prefix=1, orders=_prio_orders, none_below=_prio_none_below, below=_prio_below)
 LAS = Spec("las", True, _las_order, _las_level, _las_victim, _las_why, level_prefix=1, orders=_las_orders,
-           none_below=_las_none_below,
+           none_below=_las_none_below, below=_las_below,
            running_levels=band_levels(lambda cfg: cfg.las_thresholds_gpu_s, by_class=False))
 GANDIVA = Spec("gandiva", True, _gandiva_order, _gandiva_level, _gandiva_victim, _gandiva_why,
                none_below=lambda jobs, c, bound: (1,) >= bound)   # every waiting job's level is (1,)
 SRTF_ORACLE = Spec("srtf-oracle", True, _srtf_order, _srtf_level, _srtf_victim, _srtf_why,
-                   sim_only=True, level_prefix=1, none_below=_srtf_none_below)
+                   sim_only=True, level_prefix=1, none_below=_srtf_none_below,
+                   below=_srtf_below)

@@ -32,6 +32,11 @@ CONFIG = "GPUSWAP_CONFIG"    # `gpuswap server`'s config file (node/settings.py)
 URL = "GPUSWAP_URL"          # a daemon reached over TCP (api/client.py)
 TOKEN = "GPUSWAP_TOKEN"      # its bearer token
 SELFTEST_WRONG_REFERENCE = "GPUSWAP_SELFTEST_WRONG_REFERENCE"   # tests: selftest compares to a wrong reference
+# A pool node's agent (docs/ray.md), set in the environment of that node's `ray start`:
+AGENT_HOME = "GPUSWAP_AGENT_HOME"            # its state directory (default /var/lib/gpuswap/node)
+AGENT_SIMULATE_GPUS = "GPUSWAP_AGENT_SIMULATE_GPUS"   # simulated GPUs on it, as --simulate-gpus
+NODE_NAME = "GPUSWAP_NODE_NAME"              # its name in the pool (default: its host name)
+AGENT_SHARED_CKPT = "GPUSWAP_AGENT_SHARED_CKPT"  # a directory every node mounts: disk checkpoints there
 
 
 def _flag(value: Optional[str]) -> bool:

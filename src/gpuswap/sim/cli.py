@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gpuswap: half-life of the usage the class budget counts")
     p.add_argument("--class-floor", type=float, default=defaults.class_floor_share, metavar="SHARE",
                    help="gpuswap: share of the GPUs each class below the highest is guaranteed; 0 for none")
+    p.add_argument("--promotion-takes-starved", action="store_true",
+                   help="gpuswap: the old promotion rule: a job promoted for starving may pause a job that "
+                        "has itself waited as long (by default it does not; docs/policies.md)")
     p.add_argument("--strict-classes", action="store_true",
                    help="gpuswap: no class budget and no floor (same as --class-budget inf --class-floor 0)")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
@@ -147,7 +150,8 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
                         reserve_after_s=getattr(args, "reserve_after", d.reserve_after_s),
                         class_budget_gpu_h=math.inf if strict else getattr(args, "class_budget", d.class_budget_gpu_h),
                         class_half_life_s=getattr(args, "class_half_life", d.class_half_life_s),
-                        class_floor_share=0.0 if strict else getattr(args, "class_floor", d.class_floor_share))
+                        class_floor_share=0.0 if strict else getattr(args, "class_floor", d.class_floor_share),
+                        promotion_spares_starved=not getattr(args, "promotion_takes_starved", False))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 "protect_cap_s": config.protect_cap_s, "reserve_after_s": config.reserve_after_s,
                 "class_budget_gpu_h": config.class_budget_gpu_h if math.isfinite(config.class_budget_gpu_h) else "inf",
                 "class_half_life_s": config.class_half_life_s, "class_floor_share": config.class_floor_share,
+                "promotion_spares_starved": config.promotion_spares_starved,
                 "multi_rank": "cooperative" if multi_rank else "none",
                 "estimates": "predicted" if estimates else "none"}
         for path in write_outputs(args.out, summaries, results, meta):

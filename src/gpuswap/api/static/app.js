@@ -115,7 +115,7 @@ function parkedSize(j) {
 // What a job parked in RAM by its runtime still holds on its GPUs (its CUDA context and what it
 // did not attach): "; 512 MiB stays on GPU 0", or "".
 function residueText(j) {
-  return (j.residue || []).map((r) => `; ${size(r.bytes)} stays on GPU ${r.gpu}`).join("");
+  return (j.residue || []).map((r) => `; ${size(r.bytes)} stays on GPU ${gpuName(j.node, r.gpu)}`).join("");
 }
 
 // What an event records, from its fields (never its sentence): " · parked_ram, ram, cooperative, by user".
@@ -150,6 +150,9 @@ document.addEventListener("click", (ev) => {
 });
 
 // -- overview ------------------------------------------------------------------------------
+// A GPU as `gpuswap gpus` names it: its index on one machine, "node:index" in a pool (docs/ray.md).
+function gpuName(node, index) { return node ? `${node}:${index}` : String(index); }
+
 function renderOverview(o) {
   $("#node").textContent = `${o.description} · policy ${o.policy}`;
   $("#sim").hidden = !o.simulated;
@@ -162,8 +165,8 @@ function renderOverview(o) {
       return j ? h("div", { "data-gpu-job": id }, `job ${id} `, j.user, " ", stateSpan(j.state)) : `job ${id}`;
     }).concat((g.residue || []).map((r) => h("div", { "data-gpu-residue": r.job, class: "muted" },
       `job ${r.job} parked in RAM keeps ${size(r.bytes)}`)));
-    return h("div", { class: "gpu", "data-gpu": g.index },
-      h("h3", {}, `GPU ${g.index} · `, g.name, g.simulated ? [" ", h("span", { class: "badge sim" }, "simulated")] : []),
+    return h("div", { class: "gpu", "data-gpu": gpuName(g.node, g.index) },
+      h("h3", {}, `GPU ${gpuName(g.node, g.index)} · `, g.name, g.simulated ? [" ", h("span", { class: "badge sim" }, "simulated")] : []),
       bar(pct, `${pct.toFixed(0)}%`),
       h("div", { class: "muted" }, `${size(g.mem_used)} / ${size(g.mem_total)}`),
       holders.length ? holders : h("div", { class: "muted" }, "free"));
@@ -183,7 +186,8 @@ function renderOverview(o) {
       h("td", {}, j.id), h("td", {}, name), h("td", { class: "owner" }, j.user), h("td", {}, j.priority),
       stateSpan(j.state, j.held ? " (held)" : "", "td"), h("td", { class: "where" }, where(j)),
       h("td", { class: "parked" }, parkedSize(j)),
-      h("td", {}, j.gpus, j.assigned_gpus.length ? ` [${j.assigned_gpus.join(",")}]` : ""),
+      h("td", { class: "gpus" }, j.gpus, j.assigned_gpus.length
+        ? ` [${j.assigned_gpus.map((i) => gpuName(j.node, i)).join(",")}]` : ""),
       h("td", {}, dur(j.time_in_state_s)), h("td", { class: "reason" }, reason),
       h("td", { class: "actions" }, actionButtons(j)));
   });
@@ -221,7 +225,8 @@ async function renderJob(id) {
     ["priority", j.priority + (j.preemptible ? "" : ", no-preempt")],
     ["where", where({ ...j, tier: j.parked })],
     ["parked", (j.parked ? `${j.parked} (${size(j.parked_bytes)})` : "-") + residueText(j)],
-    ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}`], ["step", j.step ?? "-"],
+    ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}${j.node ? ` on node ${j.node}` : ""}`],
+    ["step", j.step ?? "-"],
     ["in state", dur(j.time_in_state_s)], ["preemptions", j.preemptions],
     ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["command", j.argv.join(" ")]];
   $("#job-facts").replaceChildren(...facts.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
