@@ -106,6 +106,33 @@ def test_a_disk_checkpoint_resumes_only_where_it_is_reachable():
     assert why["p"].text == "its disk checkpoint is reachable only from n2, not in the pool now"
 
 
+@pytest.mark.parametrize("policy", PREEMPTIVE)
+def test_a_job_starts_or_resumes_only_where_its_working_directory_can_be_entered(policy):
+    """In a pool, JobView.allowed_nodes (node/workdirs.py): the free GPU on n0 is no place for a job
+    whose directory n0 cannot enter; it waits for n1's, and says where it may run. A disk-parked
+    job needs both its checkpoint and its directory on one node."""
+    busy = job("b", Phase.RUNNING, assigned=(1,), preemptible=False)
+    fresh = _with_remaining([job("p", allowed_nodes=("n1",))], policy)[0]
+    assert decide(snap(100, gpus(1, nodes=2), [fresh, busy]), policy) == []
+    _, why = decide_explained(snap(100, gpus(1, nodes=2), [fresh, busy]), policy)
+    assert why["p"].blockers and why["p"].blockers[0].job_id == "b"       # it waits for n1's GPU
+    assert [d.gpus for d in decide(snap(100, gpus(1, nodes=2), [replace(fresh, allowed_nodes=("n0", "n1")), busy]),
+                                   policy)] == [(0,)]
+    _, why = decide_explained(snap(100, gpus(1, nodes=2), [replace(fresh, allowed_nodes=("n2",)), busy]), policy)
+    assert why["p"].text == "its working directory can be entered only on n2, which has no GPU now"
+    disk = replace(fresh, phase=Phase.PAUSED, parked="disk", parked_bytes=4 * GiB, node="n1",
+                   disk_nodes=("n0", "n1"), allowed_nodes=("n1",))
+    assert decide(snap(100, gpus(1, nodes=2), [disk, busy]), policy) == []     # n0 reaches its checkpoint only
+    assert decide(snap(100, gpus(1, nodes=2), [replace(disk, allowed_nodes=("n0", "n1")), busy]), policy) == \
+        [Resume("p", (0,), "resumed on n0 GPU 0")]
+    _, why = decide_explained(snap(100, gpus(1, nodes=2), [replace(disk, disk_nodes=("n1",), allowed_nodes=("n0",)),
+                                                           busy]), policy)
+    assert why["p"].text == ("its disk checkpoint is reachable from n1 and its working directory only on n0: "
+                             "no node in the pool now has both")
+    in_ram = replace(disk, parked="ram", assigned=(), disk_nodes=("n0", "n1"), allowed_nodes=("n1",))
+    assert not [d for d in decide(snap(100, gpus(1, nodes=2), [in_ram, busy]), policy) if isinstance(d, Spill)]
+
+
 def test_ram_budget_sends_victim_to_disk_and_spills_over_budget():
     victim = job("low", Phase.RUNNING, prio=Priority.LOW, assigned=(0,), mem_gib=8, attained=1e5, run_s=1e5)
     urgent = job("u", prio=Priority.URGENT, submit=500, since=500)

@@ -588,3 +588,68 @@ def test_retention_forgets_finished_jobs_with_their_files_on_their_nodes(head, b
 
     head.until(0, forgotten, get="/v1/health")
     assert not job_dir.exists()
+
+
+# -- placement by working directory: a node that cannot enter it gets no job of it --------------------
+def _start_node_without(base: Path, cluster: Cluster, name: str, hidden: Path) -> Any:
+    """A Ray node (`ray start --block`, as on a server) whose processes do not see what is in
+    `hidden`: a tmpfs is mounted over it in the node's own mount namespace, as a server lacks another's
+    local scratch directory. Its agent, and any job it started, would live in that namespace."""
+    unshare, ray_cli = shutil.which("unshare"), Path(sys.executable).parent / "ray"
+    if os.geteuid() != 0 or unshare is None or not ray_cli.exists():
+        pytest.skip("needs root, unshare(1) and the ray command for a node with its own mounts")
+    args = node_args(base, name)
+    import subprocess
+    cmd = [unshare, "-m", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=1m,mode=0755 gpuswap-test "$1" && shift && exec "$@"', "sh", str(hidden),
+           str(ray_cli), "start", "--block", "--address", cluster.address, "--num-cpus", "1",
+           "--object-store-memory", str(args["object_store_memory"]), "--resources", json.dumps(args["resources"]),
+           "--disable-usage-stats"]
+    return subprocess.Popen(cmd, env={**os.environ, **args["env_vars"]}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_node(proc: Any) -> None:
+    """`ray start --block` stops its node's processes on SIGTERM; whatever is left is killed."""
+    proc.terminate()
+    try:
+        proc.wait(FACT_TIMEOUT_S)
+    except Exception:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def test_a_job_goes_only_to_nodes_where_its_working_directory_can_be_entered(head, base, cluster):
+    proj = base / "scratch" / "proj"              # a lab's local scratch: node-h has none of it
+    proj.mkdir(parents=True)
+    gates = {n: Gate(head.home / f"workdir-{n}.go") for n in NODES}
+    held = {n: head.submit(g.hold(), name=f"workdir-{n}", preemptible=False) for n, g in gates.items()}
+    on = sorted(head.state(j, "RUNNING")["node"] for j in held.values())
+    assert on == list(NODES)
+    node_h = _start_node_without(base, cluster, "node-h", proj.parent)
+    try:
+        head.until(0, lambda g: "node-h" in [x["node"] for x in g["gpus"]], get="/v1/gpus")
+        job = head.submit([sys.executable, "-c", "import os; print('ran in', os.getcwd())"], name="workdir",
+                          priority="low", cwd=str(proj))
+        # node-h's GPU is free, but its kernel says the directory is not there: the job waits, and says so.
+        waiting = head.until(job, lambda j: "not on node-h" in j["pending_reason_text"])
+        assert waiting["state"] == "PENDING", waiting
+        assert f"working directory '{proj}' does not exist" in waiting["pending_reason_text"], waiting
+        assert [g["jobs"] for g in head.client.get("/v1/gpus")["gpus"] if g["node"] == "node-h"] == [[]]
+        holder = next(n for n in NODES if head.job(held[n])["node"] == n)
+        gates[holder].open()                      # a node that can enter it frees its GPU: it runs there
+        assert head.cli("wait", str(job)).returncode == 0
+        done = head.job(job)
+        assert done["node"] == holder and not any(e["kind"] == "failed" for e in done["events"]), done
+        assert f"ran in {proj}" in output(base, done)
+    finally:
+        for g in gates.values():
+            g.open()
+        _stop_node(node_h)
+    head.until(0, lambda g: "node-h" not in [x["node"] for x in g["gpus"]], get="/v1/gpus")
+    for j in held.values():
+        assert head.cli("wait", str(j)).returncode == 0

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
 from gpuswap.lifecycle import STARTED, EventKind as K, NewEvent
-from gpuswap.node import observe, residue, snapshot
+from gpuswap.node import observe, residue, snapshot, workdirs
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.freezer import (ATTACH_GRACE_S, awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
@@ -76,12 +76,13 @@ class Controller:
         self._accrued: dict[int, list[float]] = {}
         self._last_flush = 0.0
         self._live: dict[int, JobRecord] = {}
-        self._views: dict[int, tuple[int, JobView]] = {}
+        self._views: dict[int, tuple[int, tuple[str, ...], tuple[str, ...], JobView]] = {}
         self._seen_version = 0
         self._faults: dict[tuple[int, str], str] = {}   # (job id, step) -> the failure last reported
         # Why each waiting job waits, from the policy's last round (replaced whole each tick, so
         # API threads read one consistent dict), and the key of the reason last written as an event.
         self.waits: dict[int, Wait] = {}
+        self.reaches: dict[int, workdirs.Reach] = {}    # in a pool, where each waiting job's directory is
         self._told: dict[int, tuple] = {}
         self._explained_at = float("-inf")
         self.strays = StrayCheck(pool, store.get)
@@ -133,7 +134,10 @@ class Controller:
         if layout != self.layout:
             self._views.clear()          # the GPU ids the views name follow the layout
             self.layout = layout
-        views = [v for v in (self._view(j) for j in jobs if snapshot.schedulable(j)) if v is not None]
+        waiting = [j for j in jobs if snapshot.schedulable(j)]
+        reaches = {j.id: self._workdir_reach(j) for j in waiting}
+        views = [v for v in (self._view(j, reaches[j.id]) for j in waiting) if v is not None]
+        self.reaches = reaches
         seen = {int(v.id) for v in views}
         kept = (residue.outside_snapshot(jobs, seen) if self.pool.single    # e.g. a user's RAM pause
                 else snapshot.kept_in_pool(jobs, seen, layout))
@@ -153,7 +157,8 @@ class Controller:
         if unexplained or since >= min(EXPLAIN_S, EXPLAIN_SHARE * self._explain_took):
             started = time.monotonic()
             try:
-                self._explain(live, policy.decide_explained(snap, self.config.policy)[1], now)
+                nowhere = {str(i): r.wait for i, r in reaches.items() if r.wait is not None}
+                self._explain(live, {**policy.decide_explained(snap, self.config.policy)[1], **nowhere}, now)
             except Exception:   # a reason that cannot be recorded (a full disk) must not stop the moves below
                 log.exception("could not record why jobs wait")
             self._explained_at = time.monotonic()
@@ -251,7 +256,11 @@ class Controller:
             return None
         if job.hold and not job.holds_gpu:
             return HELD
-        return self.waits.get(job.id)
+        reach = self.reaches.get(job.id, workdirs.ANYWHERE)
+        if reach.wait is not None:
+            return reach.wait
+        w = self.waits.get(job.id)
+        return replace(w, text=w.text + reach.note) if w is not None and reach.note else w
 
     def _explain(self, live: dict[int, JobRecord], waits: dict[str, Wait], now: float) -> None:
         """Keep the policy's reasons, and write one as an event when a job's reason changes in
@@ -281,20 +290,29 @@ class Controller:
                 self._live[rec.id] = rec
         return self._live
 
-    def _view(self, job: JobRecord) -> Optional[JobView]:
+    def _view(self, job: JobRecord, where: workdirs.Reach) -> Optional[JobView]:
         """The policy's view of a job, its GPUs named by their ids in the pool; None for a job on
         a node that is not in the pool now (out of the snapshot: nothing is placed on its GPUs,
-        which are not in it either, until its node answers again)."""
+        which are not in it either, until its node answers again), or for a waiting job whose
+        working directory no node can enter now (`where`: node/workdirs.py)."""
+        if where.wait is not None:
+            return None
+        reach = self._disk_nodes(job)
         cached = self._views.get(job.id)
-        if cached is None or cached[0] != job.version:
-            reach = self._disk_nodes(job)
+        if cached is None or cached[:3] != (job.version, reach, where.nodes):
             if (not self.pool.single and job.node is not None and job.node not in self.layout.offsets
                     and not (_on_disk(job) and reach)):      # a disk checkpoint others reach goes on
                 return None
-            cached = self._views[job.id] = (job.version, snapshot.job_view(
+            cached = self._views[job.id] = (job.version, reach, where.nodes, snapshot.job_view(
                 job, self._cap(job).available, self._cap(job).migration,
-                None if self.pool.single else self.layout, reach))
-        return cached[1]
+                None if self.pool.single else self.layout, reach, where.nodes))
+        return cached[3]
+
+    def _workdir_reach(self, job: JobRecord) -> workdirs.Reach:
+        """In a pool, the nodes where a waiting job may start or resume by its working directory."""
+        if self.pool.single or job.state not in (JobState.PENDING, JobState.PAUSED):
+            return workdirs.ANYWHERE
+        return workdirs.reach(job, self.pool.workdirs(job.cwd, job.uid, job.gid), self.pool.nodes())
 
     @property
     def capability(self) -> Capability:
@@ -385,6 +403,8 @@ class Controller:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
         if not self.pool.single:       # its reason names GPUs as people see them in a pool
             d = replace(d, reason=self.layout.name_gpus(d.reason))
+        if isinstance(d, (Start, Resume)) and not self._may_enter(job, d.gpus):
+            return
         if isinstance(d, Start) and job.state == JobState.PENDING and not job.cancel_requested:
             gen = job.generation + 1
             node, gpus = self._placed(d.gpus)
@@ -472,6 +492,12 @@ class Controller:
     def _where(self, node: Optional[str], gpus: list[int]) -> str:
         """'GPU 0,1', or in a pool 'GPU node-b:0,node-b:1', as `gpuswap gpus` and `ls` name them."""
         return f"GPU {_gpus(gpus)}" if node is None else "GPU " + ",".join(f"{node}:{g}" for g in gpus)
+
+    def _may_enter(self, job: JobRecord, gpus: tuple[int, ...]) -> bool:
+        """Whether the node of `gpus` is one where the job's working directory can be entered (the
+        policy places it so: JobView.allowed_nodes); a start anywhere else is not carried out."""
+        allowed = self.reaches.get(job.id, workdirs.ANYWHERE).nodes
+        return self.pool.single or not allowed or self._placed(gpus)[0] in allowed
 
     def _on_its_node(self, job: JobRecord, d: Resume) -> bool:
         """Whether a resume is where the job's parked state is: its node (RAM; a checkpoint on its

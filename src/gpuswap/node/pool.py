@@ -291,6 +291,12 @@ class Pool:
         one machine). Without storage shared between them, that node alone."""
         return () if self.single else (node,) if node in self._nodes else ()
 
+    def workdirs(self, cwd: str, uid: int, gid: int) -> Optional[dict[str, Optional[str]]]:
+        """Node by node, whether user `uid` can enter `cwd` there (None: yes; else why not), as far
+        as it is known now (node/workdirs.py); a node not checked yet is absent. None: no limit, one
+        machine (where the submission itself checked it)."""
+        return None
+
     def serve_forwarded(self, serve: Callable[[Any, str], Any]) -> None:
         """Answer the API requests made on the nodes' own sockets with `serve(request, node)`
         (node/gateway.py): a pool's nodes have them; one machine has only the daemon's socket."""

@@ -29,6 +29,7 @@ from gpuswap.node.launcher import Observation, log_file
 from gpuswap.node.pool import Node, Pool
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import Effect, Transition
+from gpuswap.node.workdirs import WorkdirChecks
 from gpuswap.protocol.forwarded import ForwardedRequest, ForwardedResponse
 from gpuswap.protocol.rundir import Desired
 
@@ -168,6 +169,7 @@ class RayPool(Pool):
         self._alive: set[str] = set()            # Ray's alive node ids at the last look
         self._missing: dict[str, float] = {}     # node name -> since when no alive node answers to it
         self._storage: dict[str, str] = {}       # node name -> its shared checkpoint storage's id, once seen
+        self._workdirs = WorkdirChecks(self._check_workdir)
         self.ram_budget_set = ram_budget          # --ram-budget: the same on every node; None: half of each one's
         self.refresh()
 
@@ -284,7 +286,19 @@ class RayPool(Pool):
         for node in list(self._by_id.values()):
             self._start_pump(node)
 
+    def workdirs(self, cwd: str, uid: int, gid: int) -> Optional[dict[str, Optional[str]]]:
+        return self._workdirs.answers(sorted(self._nodes), cwd, uid, gid)
+
+    def _check_workdir(self, node: str, cwd: str, uid: int, gid: int) -> Optional[str]:
+        """Asked by node/workdirs.py off the tick: that node's kernel, through its agent."""
+        found = self._nodes.get(node)
+        if found is None:
+            raise KeyError(f"node {node} is not in the pool now")
+        answer = found.cwd_problem(cwd, uid, gid)
+        return None if answer is None else str(answer)
+
     def stop(self) -> None:
+        self._workdirs.stop()
         self._stop.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
 

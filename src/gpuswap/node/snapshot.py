@@ -18,11 +18,13 @@ NODE = "local"
 
 
 def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False,
-             layout: Optional["Layout"] = None, disk_nodes: tuple[str, ...] = ()) -> JobView:
+             layout: Optional["Layout"] = None, disk_nodes: tuple[str, ...] = (),
+             allowed_nodes: tuple[str, ...] = ()) -> JobView:
     """The policy's view of a job. `transparent_ok`: this node can freeze jobs through the driver;
     `migration`: a driver-frozen job may be restored onto other GPUs. `layout`: a pool's GPU ids
     (node/pool.py), where the record's GPUs are its node's own indices; None: a single daemon.
-    `disk_nodes`: in a pool, where a disk checkpoint of a parked job is reachable (Pool.disk_nodes)."""
+    `disk_nodes`: in a pool, where a disk checkpoint of a parked job is reachable (Pool.disk_nodes);
+    `allowed_nodes`: where a waiting job's working directory can be entered (node/workdirs.py)."""
     node = NODE if layout is None else j.node
     pool_id = (lambda g: g) if layout is None or j.node is None else (lambda g: layout.to_pool(j.node, g))
     pinned_home = j.parked == "ram" and not (j.mechanism == "transparent" and migration)
@@ -58,6 +60,7 @@ def job_view(j: JobRecord, transparent_ok: bool = False, migration: bool = False
         residue_bytes=max(j.residue.values(), default=0) if cooperative else 0,
         estimate_s=j.estimate_s,      # made at submission by policy/estimate.py, as in the simulator
         disk_nodes=disk_nodes,
+        allowed_nodes=allowed_nodes,
     )
 
 

@@ -213,9 +213,12 @@ class ClusterState:
 
     def candidate_nodes(self, w: JobView) -> list[str]:
         """Where `w` may run: a RAM-parked job only on the node holding its state, a disk-parked
-        one where its checkpoint is reachable (`disk_nodes`; empty: anywhere)."""
+        one where its checkpoint is reachable (`disk_nodes`; empty: anywhere); in a pool only
+        where its working directory can be entered (`allowed_nodes`; empty: anywhere)."""
         if w.phase is Phase.PAUSED and w.parked == "ram" and w.node:
             return [w.node] if w.node in self.ram_free else []
         if w.phase is Phase.PAUSED and w.parked == "disk" and w.disk_nodes:
-            return [n for n in self.nodes if n in w.disk_nodes]
+            return [n for n in self.nodes if n in w.disk_nodes and (not w.allowed_nodes or n in w.allowed_nodes)]
+        if w.allowed_nodes:
+            return [n for n in self.nodes if n in w.allowed_nodes]
         return self.nodes

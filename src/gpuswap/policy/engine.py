@@ -169,7 +169,8 @@ class _Round:
             return False
         if w.parked == "ram" and cl.max_free >= need and "disk" in w.tiers and self.snap.config.allow_disk:
             elsewhere = [n for n in cl.nodes if n != w.node and len(free[n]) >= need
-                         and (not w.disk_nodes or n in w.disk_nodes)]
+                         and (not w.disk_nodes or n in w.disk_nodes)
+                         and (not w.allowed_nodes or n in w.allowed_nodes)]
             if elsewhere:                   # its node is full but GPUs idle elsewhere: relocate via disk
                 self.out.append(Spill(w.id, f"{w.node} is busy; moved to disk to resume on another node"))
                 self.resumed.add(w.id)

@@ -71,9 +71,7 @@ class Explainer:
         if gpus is None:
             nodes = cl.candidate_nodes(w)
             if not nodes:
-                self.say(w, "Resources", f"its disk checkpoint is reachable only from {', '.join(w.disk_nodes)}, "
-                                         "not in the pool now" if w.parked == "disk" else
-                                         f"its parked state is on node {w.node}, which has no GPU now")
+                self.say(w, "Resources", _nowhere(w, cl.nodes))
                 return
             node = max(nodes, key=lambda n: (len(cl.free[n]), n == w.node, n))
             wanted = [g.id for g in snap.gpus if g.node == node]
@@ -218,3 +216,16 @@ class Explainer:
         if name == "gandiva":
             return "its time slice is not over"
         return f"same priority ({label(v.priority)})"
+
+
+def _nowhere(w: JobView, nodes: list[str]) -> str:
+    """Why no node of the round may take `w` (Cluster.candidate_nodes is empty)."""
+    if w.phase is Phase.PAUSED and w.parked == "ram":
+        return f"its parked state is on node {w.node}, which has no GPU now"
+    disk = w.phase is Phase.PAUSED and w.parked == "disk" and w.disk_nodes
+    if disk and not any(n in w.disk_nodes for n in nodes):
+        return f"its disk checkpoint is reachable only from {', '.join(w.disk_nodes)}, not in the pool now"
+    if disk:
+        return (f"its disk checkpoint is reachable from {', '.join(w.disk_nodes)} and its working directory only "
+                f"on {', '.join(w.allowed_nodes)}: no node in the pool now has both")
+    return f"its working directory can be entered only on {', '.join(w.allowed_nodes)}, which has no GPU now"

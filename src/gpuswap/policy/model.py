@@ -82,6 +82,9 @@ class JobView:
     # its storage, docs/ray.md). Parked to disk it resumes only there, and a RAM-parked job is
     # spilled to move only there. Empty: every node (one machine, and the simulator).
     disk_nodes: tuple[str, ...] = ()
+    # In a pool: the nodes where it may start or resume at all, those where its user can enter its
+    # working directory (node/workdirs.py; a RAM-parked job's own node always). Empty: every node.
+    allowed_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
