@@ -3,7 +3,7 @@ park, resume and spill are priced with its own node's costs, and a snapshot with
 machine, the simulator) is priced as before."""
 from gpuswap.jobs import Priority
 from gpuswap.policy import Pause, Phase, PolicyConfig, SwitchCosts, decide, decide_explained
-from gpuswap.policy.costs import _TABLES, costs_on, park_resume_s, switch_s
+from gpuswap.policy.costs import _TABLES, costs_of, costs_on, park_resume_s, switch_s
 from gpuswap.policy.victims import protected_s, round_trip_s
 from policy_helpers import GiB, gpus, job, snap
 
@@ -61,6 +61,12 @@ def test_costs_on_falls_back_to_the_snapshots_costs():
     assert costs_on(s, "n1") is s.costs and costs_on(s, None) is s.costs
     plain = snap(0, gpus(1), [])
     assert costs_on(plain, "n0") is plain.costs
+    # A job's node: its GPUs' while it holds some (a view that does not name it: the simulator's),
+    # else where its parked state is.
+    assert costs_of(s, job("r", Phase.RUNNING, assigned=(0,))) is SLOW_DISK
+    assert costs_of(s, job("r", Phase.RUNNING, assigned=(1,), node="n0")) is s.costs
+    assert costs_of(s, job("p", Phase.PAUSED, parked="ram", node="n0")) is SLOW_DISK
+    assert costs_of(s, job("q")) is s.costs
 
 
 def test_alternating_node_costs_keep_each_their_round_trips():

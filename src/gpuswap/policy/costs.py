@@ -24,6 +24,23 @@ def costs_on(snap: Snapshot, node: Optional[str]) -> SwitchCosts:
     return by_node.get(node, snap.costs)
 
 
+_GPU_NODES: list = [None, {}]    # memo: the GPU tuple last seen, GPU id -> its node
+
+
+def costs_of(snap: Snapshot, job: JobView) -> SwitchCosts:
+    """`costs_on` the node `job` is on: its GPUs' node while it holds GPUs, else the node its
+    parked state is on (`JobView.node`)."""
+    if not snap.node_costs:
+        return snap.costs
+    node = job.node
+    if job.assigned:
+        memo = _GPU_NODES
+        if memo[0] is not snap.gpus:
+            memo[0], memo[1] = snap.gpus, {g.id: g.node for g in snap.gpus}
+        node = memo[1].get(job.assigned[0], node)
+    return costs_on(snap, node)
+
+
 def job_bytes(job: JobView) -> int:
     """Bytes a park moves: the per-GPU footprint times the job's GPUs."""
     return job.mem_bytes * max(job.gpus, 1)
@@ -41,7 +58,7 @@ _ROUND_TRIPS_MAX = 4096           # distinct footprints kept per costs before th
 # them): id -> (the costs, their table). The costs are kept in it, so an id is never reused while
 # its entry lives; the daemon makes new costs only when a figure changes.
 _TABLES: dict[int, tuple[SwitchCosts, dict]] = {}
-_TABLES_MAX = 64
+_TABLES_MAX = 256
 
 
 def _table(costs: SwitchCosts) -> dict:

@@ -16,7 +16,7 @@ from operator import itemgetter
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, costs_on, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
+from gpuswap.policy.costs import ParkPlan, costs_of, costs_on, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
 from gpuswap.policy.model import JobView, Phase, Snapshot
 from gpuswap.policy.residue import after_park
 from gpuswap.policy.specs import Ctx, Spec
@@ -48,7 +48,7 @@ def round_trip_s(v: JobView, snap: Snapshot) -> tuple[float, str]:
     if v.switches > 0 and v.switch_s > 0:
         return v.switch_s / v.switches, "measured"
     tier = "ram" if "ram" in v.tiers else "disk"
-    return switch_s(v, tier, costs_on(snap, v.node)), tier
+    return switch_s(v, tier, costs_of(snap, v)), tier
 
 
 def protected_s(v: JobView, snap: Snapshot) -> float:
@@ -121,7 +121,7 @@ def may_spill_for(w: JobView, lw: Optional[tuple], p: JobView, snap: Snapshot, s
         return False
     if not lw < spec.level(p, ctx):
         return False
-    cost = spill_penalty_gpu_s(p, costs_on(snap, p.node)) / max(p.gpus, 1)
+    cost = spill_penalty_gpu_s(p, costs_of(snap, p)) / max(p.gpus, 1)
     if spec.switch_cap and not under_switch_cap(p, cost, snap):
         return False
     return spec.benefit_ok is None or spec.benefit_ok(w, p, ctx, cost)
