@@ -365,3 +365,28 @@ def test_version_4_adds_the_runtime_estimate_and_old_finished_jobs_feed_the_pred
         assert (got.time_limit_s, got.estimate_s, got.estimate_from, got.estimate_runs) == (3600.0, 3600.0, "time", 0)
     finally:
         store.close()
+
+
+def test_version_7_keeps_a_single_daemons_bandwidths_as_its_own_and_adds_each_nodes(tmp_path):
+    """A database at version 6 (one set of learned figures) reads back the same figures as the
+    daemon's own machine's (node ''), with their samples; a pool node's are kept apart under its
+    name, and neither overwrites the other."""
+    path = saved(RELEASE, tmp_path / "state.db")
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, STEPS[:6]) == [1, 2, 3, 4, 5, 6]
+    db.execute("INSERT INTO bandwidths (field,bytes_per_s,samples,updated) VALUES ('disk_read_bps',3e9,4,5.0)")
+    before = {r[0]: (r[1], r[2]) for r in db.execute("SELECT field,bytes_per_s,samples FROM bandwidths")}
+    db.close()
+    assert version(path) == 6 and len(before) == 3       # the release's two and the one above
+    store = Store(path)
+    try:
+        assert version(path) == LATEST
+        assert store.load_bandwidths() == before
+        assert store.load_bandwidths("node-b") == {}
+        store.save_bandwidth("disk_read_bps", 1e8, 1, 6.0, node="node-b")
+        store.save_bandwidth("disk_read_bps", 2e9, 5, 7.0)
+        assert store.load_bandwidths("node-b") == {"disk_read_bps": (1e8, 1)}
+        assert store.load_bandwidths()["disk_read_bps"] == (2e9, 5)
+    finally:
+        store.close()
+    assert layout(path) == layout(fresh(tmp_path / "fresh.db"))

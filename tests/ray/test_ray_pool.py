@@ -568,6 +568,48 @@ def test_a_running_job_of_a_node_lost_for_good_restarts_from_its_last_disk_check
     assert head.cli("wait", str(placed[NODES[1]])).returncode == 0
 
 
+BANDWIDTHS = ("ram_park_bps", "ram_resume_bps", "disk_write_bps", "disk_read_bps")
+
+
+def test_each_node_is_calibrated_by_its_own_agent_and_gpus_shows_its_figures(head, base, driver):
+    """Per-node switch costs (node/nodebandwidths.py): under `--no-calibrate` no node is calibrated;
+    the head started again without it asks every node's agent, which times its own disk (in its
+    state directory) and RAM tier (a host memcpy: simulated GPUs) on a thread of its own, and
+    `/v1/gpus` and `gpuswap gpus` give each node's figures with their sources."""
+    def per_node() -> dict[str, Any]:
+        return head.client.get("/v1/gpus")["node_bandwidths"]
+
+    before = per_node()
+    assert set(NODES) <= set(before), before
+    assert all(not f["source"].startswith("calibrated") for n in NODES for f in before[n].values()), before
+    head.stop()
+    head.args = [a for a in head.args if a != "--no-calibrate"]
+    head.start()
+
+    def calibrated(g: dict[str, Any]) -> bool:
+        figures = g.get("node_bandwidths") or {}
+        return all(n in figures and all(figures[n][f]["source"].startswith("calibrated") for f in BANDWIDTHS)
+                   for n in NODES)
+
+    got = head.until(0, calibrated, get="/v1/gpus")["node_bandwidths"]
+    mine = agents(driver)
+    for n in NODES:
+        # The head shows what that node's agent measured, itself (the same figures, to the bit).
+        own = driver.get(mine[n].calibration.remote(), timeout=FACT_TIMEOUT_S)
+        assert {f: (got[n][f]["bytes_per_s"], got[n][f]["source"]) for f in BANDWIDTHS} == \
+            {f: (own[f]["bytes_per_s"], own[f]["source"]) for f in BANDWIDTHS}, (n, got[n], own)
+        assert got[n]["disk_write_bps"]["source"] == "calibrated: 128 MiB write+fsync in the home"
+        assert got[n]["ram_park_bps"]["source"] == "calibrated: host memcpy, simulated GPU"
+        assert all(got[n][f]["bytes_per_s"] > 0 for f in BANDWIDTHS)
+        assert not (base / f"agent-{n}" / ".calibration").exists()     # its scratch file is gone
+    assert got[NODES[0]]["disk_write_bps"]["bytes_per_s"] != got[NODES[1]]["disk_write_bps"]["bytes_per_s"]
+    text = " ".join(head.cli("gpus").stdout.split())      # as one line, however the terminal wrapped it
+    shown = {part.split(":")[0]: part for part in text.split("switch bandwidths on ")[1:]}
+    assert set(shown) == set(NODES), text
+    for n in NODES:
+        assert "disk write" in shown[n] and "(calibrated: 128 MiB write+fsync in the home)" in shown[n], text
+
+
 def test_retention_forgets_finished_jobs_with_their_files_on_their_nodes(head, base):
     """Last in the module: the head started again with `--retention 1s`. A finished job's record
     goes, and its files go with it on the node that ran it (deleted there by its agent)."""

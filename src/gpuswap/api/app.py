@@ -258,6 +258,10 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         parked_ram = sum(j.parked_bytes for j in live if j.parked == "ram")
         ram_nodes = ram_by_node(controller, devices, live)      # a pool's: each node parks in its own RAM
         cap = controller.capability
+        # A pool's nodes each have their own figures (node/nodebandwidths.py): every node's that
+        # answers, GPUs or none; "bandwidths" is then what a job not placed on a node is priced with.
+        per_node = ({} if controller.node_bandwidths is None else
+                    {"node_bandwidths": controller.node_bandwidths.describe(controller.pool.last)})
         return {"simulated": gpus.simulated, "description": gpus.describe(), "gpus": out,
                 "ram_budget": ram_budget(controller, ram_nodes), "ram_parked": parked_ram, "ram_nodes": ram_nodes,
                 "policy": controller.config.policy,
@@ -265,7 +269,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                                 "bindings": cap.bindings, "migration": cap.migration,
                                 "persistence_mode": cap.persistence, "simulated": cap.simulated,
                                 "criu": cap.criu},
-                "bandwidths": controller.bandwidths.describe()}
+                "bandwidths": controller.bandwidths.describe(), **per_node}
 
     from gpuswap.api.web import mount   # overview, tokens, /metrics, dashboard (issue 6)
 

@@ -156,12 +156,21 @@ def gpus_table(info: dict[str, Any]) -> None:
     tr = info.get("transparent") or {}
     state = "available" if tr.get("available") else "unavailable"
     console.print(plain(f"transparent parking: {state} — {tr.get('description', '?')}; disk tier via CRIU: {tr.get('criu')}"))
-    bw = info.get("bandwidths") or {}
+    per_node = info.get("node_bandwidths")
+    if isinstance(per_node, dict):         # a pool: each node moves state at its own speed
+        for node, bw in sorted(per_node.items()):
+            _bandwidths(bw or {}, f" on {node}")
+    else:
+        _bandwidths(info.get("bandwidths") or {}, "")
+
+
+def _bandwidths(bw: dict, where: str) -> None:
+    """The switch-cost figures, each with its source (`where`: a pool's node)."""
     if bw:
-        console.print(plain("switch bandwidths: " + ", ".join(
+        console.print(plain(f"switch bandwidths{where}: " + ", ".join(
             f"{name.removesuffix('_bps').replace('_', ' ')} {v['bytes_per_s'] / 1e9:.1f} GB/s ({v['source']})"
             for name, v in bw.items() if "bytes_per_s" in v)))
         group = [(name.removesuffix("_s").replace("_", " "), v) for name, v in bw.items() if "seconds" in v]
         if group:
-            console.print(plain("multi-rank switches: " + ", ".join(
+            console.print(plain(f"multi-rank switches{where}: " + ", ".join(
                 f"{name} {v['seconds']:.2f} s ({v['source']})" for name, v in group)))

@@ -14,15 +14,18 @@ not import Ray: the agent is plain code that Ray hosts.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import stat
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import psutil
 
+from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.cuda_ckpt import Capability, UnavailableDriver
 from gpuswap.node.drivers import checkpoint_driver
 from gpuswap.node.gateway import Gateway
@@ -37,6 +40,7 @@ from gpuswap.protocol.forwarded import ForwardedRequest, ForwardedResponse
 from gpuswap.protocol.rundir import Desired
 
 DEFAULT_HOME = "/var/lib/gpuswap/node"
+log = logging.getLogger("gpuswap.agent")
 
 
 class NoGpus(GpuInventory):
@@ -140,6 +144,10 @@ class NodeAgent:
             self.machine = machine_id(self.home)
         except OSError as e:
             raise AgentError(f"cannot read or write {self.home / MACHINE_MARK}: {e.strerror or e}") from None
+        # This node's switch-cost calibration: made once the head first asks (calibration()).
+        self._calibration_lock = threading.Lock()
+        self._calibrating: Optional[threading.Thread] = None
+        self._calibrated: Optional[dict[str, dict[str, object]]] = None
         # `gpuswap` on this node: its API socket, whose requests the head takes and answers.
         self.gateway = Gateway(self.home / "gpuswap.sock")
         try:
@@ -155,6 +163,28 @@ class NodeAgent:
                 "transparent": cap.available, "transparent_reason": cap.reason,
                 "shared_ckpt": str(self.shared_ckpt) if self.shared_ckpt else None, "shared_id": self.shared_id,
                 "ram_total": psutil.virtual_memory().total, "capability": cap, "machine": self.machine}
+
+    def calibration(self) -> Optional[dict[str, dict[str, object]]]:
+        """This node's switch-cost figures as the single daemon calibrates its machine at start
+        (node/bandwidth.py: disk write and read in this agent's home; the RAM tier by pinned copies
+        on a real GPU, a host memcpy on simulated ones), each with its source; None while they are
+        made. The first call starts them on a thread of their own and answers at once, so neither
+        the agent's start nor the head's calls wait for a second of disk I/O; a head that runs with
+        `--no-calibrate` never asks, and nothing is measured."""
+        with self._calibration_lock:
+            if self._calibrating is None:
+                self._calibrating = threading.Thread(target=self._calibrate, name="calibrate", daemon=True)
+                self._calibrating.start()
+            return self._calibrated
+
+    def _calibrate(self) -> None:
+        figures = Bandwidths()
+        try:
+            figures.calibrate(self.home, self.local.inventory.simulated)
+        except Exception:          # what was measured before the failure still counts
+            log.exception("calibrating this node's switch costs failed")
+        with self._calibration_lock:
+            self._calibrated = figures.calibrated()
 
     def gpus(self) -> list[GpuInfo]:
         return self.local.gpus()

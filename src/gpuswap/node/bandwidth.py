@@ -15,10 +15,15 @@ park and rebuild after its resume (the slowest rank's, as the ranks report them)
 are SwitchCosts' orders of magnitude; real multi-rank parks replace them.
 
 A figure from real moves is never replaced by a calibration: it describes the jobs' own moves.
+
+In a pool (docs/ray.md) each node is calibrated by its own agent, which reports its figures
+(`calibrated()`) to the head; the head keeps one `Bandwidths` per node (node/nodebandwidths.py),
+takes the report in (`take_calibration`) and folds in the real moves made on that node.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -39,6 +44,8 @@ MIN_OBSERVED_BYTES = 16 * 2**20   # smaller moves are dominated by fixed costs, 
 # host<->device copy tops out near 0.45 TB/s even over Grace Hopper's NVLink-C2C). A report above
 # it is a lie or a broken clock: folded in, it would make every later switch look free.
 MAX_PLAUSIBLE_BPS = 1e12
+CALIBRATED = "calibrated"      # how a calibration's source begins (and nothing else's)
+MAX_SOURCE = 200               # characters of a reported source kept
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Bandwidths:
         self._lock = threading.Lock()
         self._book = book
         self.m: dict[str, Measured] = {f: Measured(getattr(base, f), "default") for f in self.FIELDS + self.SECONDS}
+        self._costs: Optional[SwitchCosts] = None     # made again only when a figure changes
         for field, (value, samples) in (book.load_bandwidths() if book else {}).items():
             if field in self.m and value > 0 and samples > 0:
                 self.m[field] = Measured(value, f"learned: {samples} real move(s) before the last restart", samples)
@@ -119,6 +127,7 @@ class Bandwidths:
             n = m.samples + 1
             value = observed if m.samples == 0 else (1 - SMOOTHING) * m.value + SMOOTHING * observed
             self.m[field] = Measured(value, f"measured: {n} real move(s)", n)
+            self._costs = None
         if self._book is not None:
             try:
                 self._book.save_bandwidth(field, value, n, time.time())
@@ -129,10 +138,41 @@ class Bandwidths:
         with self._lock:
             if self.m[field].samples == 0:
                 self.m[field] = Measured(value, source)
+                self._costs = None
+
+    def calibrated(self) -> dict[str, dict[str, object]]:
+        """The figures a calibration set, with their sources: what a pool node's agent reports."""
+        with self._lock:
+            return {f: {"bytes_per_s": m.value, "source": m.source} for f, m in self.m.items()
+                    if f in self.FIELDS and m.source.startswith(CALIBRATED)}
+
+    def take_calibration(self, figures: Any) -> list[str]:
+        """A calibration made elsewhere (a pool node's agent, as `calibrated()` gave it), taken in
+        as one made here: it never replaces a figure from real moves. Read as untrusted: only the
+        bandwidths this class knows, each a plausible number with a calibration's source; anything
+        else is dropped. Returns the fields taken."""
+        taken: list[str] = []
+        if not isinstance(figures, dict):
+            return taken
+        for field, figure in figures.items():
+            if field not in self.FIELDS or not isinstance(figure, dict):
+                continue
+            value, source = figure.get("bytes_per_s"), figure.get("source")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or not 0 < value <= MAX_PLAUSIBLE_BPS or not isinstance(source, str)
+                    or not source.startswith(CALIBRATED)):
+                continue
+            self._set(field, float(value), source[:MAX_SOURCE])
+            taken.append(field)
+        return taken
 
     def costs(self) -> SwitchCosts:
+        """The policy's costs: the same object until a figure changes (the policy keeps its
+        arithmetic per costs object, policy/costs.py)."""
         with self._lock:
-            return replace(SwitchCosts(), **{f: m.value for f, m in self.m.items()})
+            if self._costs is None:
+                self._costs = replace(SwitchCosts(), **{f: m.value for f, m in self.m.items()})
+            return self._costs
 
     def describe(self) -> dict[str, dict[str, object]]:
         with self._lock:

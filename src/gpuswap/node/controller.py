@@ -19,6 +19,7 @@ from gpuswap.jobs import JobState, format_size
 from gpuswap.lifecycle import STARTED, EventKind as K, NewEvent
 from gpuswap.node import observe, residue, snapshot, workdirs
 from gpuswap.node.bandwidth import Bandwidths
+from gpuswap.node.nodebandwidths import NodeBandwidths
 from gpuswap.node.freezer import (ATTACH_GRACE_S, awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
 from gpuswap.node.cuda_ckpt import Capability
@@ -62,11 +63,13 @@ class Controller:
     daemon, or a Ray cluster's nodes (docs/ray.md). `launcher`: the daemon's own job directories."""
 
     def __init__(self, store: Store, launcher: Launcher, pool: Pool, config: ControllerConfig,
-                 bandwidths: Bandwidths, clock: Callable[[], float] = time.time):
+                 bandwidths: Bandwidths, clock: Callable[[], float] = time.time,
+                 node_bandwidths: Optional[NodeBandwidths] = None):
         self.store, self.launcher, self.pool, self.config, self.clock = store, launcher, pool, config, clock
         self.bandwidths = bandwidths
+        self.node_bandwidths = node_bandwidths     # a pool's: each node's own figures (None: one machine)
         self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
-        self.applier = Applier(store, bandwidths, launcher.ckpt_dir)
+        self.applier = Applier(store, bandwidths, launcher.ckpt_dir, node_bandwidths)
         self.layout = Layout()
         self.usage = store.load_usage()
         self.class_usage = store.load_class_usage()     # for the class budgets (policy/classes.py)
@@ -143,7 +146,8 @@ class Controller:
                 else snapshot.kept_in_pool(jobs, seen, layout))
         snap = snapshot.build(now, snapshot.pool_gpus(pool_gpus, self.pool.single), views,
                               self.config.policy_config, self.bandwidths.costs(), self.ram_budgets(pool_gpus), self.usage,
-                              kept, self.class_usage)
+                              kept, self.class_usage,
+                              None if self.node_bandwidths is None else self.node_bandwidths.costs(pool_gpus))
         decisions = policy.decide(snap, self.config.policy)
         for d in decisions:
             job = live.get(int(d.job_id))

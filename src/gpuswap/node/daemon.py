@@ -24,6 +24,7 @@ from gpuswap.node.drivers import checkpoint_driver
 from gpuswap.node.gpus import GpuInventory, detect
 from gpuswap.node.homedir import HomeError, prepare, tighten_jobs
 from gpuswap.node.launcher import Launcher
+from gpuswap.node.nodebandwidths import NodeBandwidths
 from gpuswap.node.schema import SchemaTooNew
 from gpuswap.node.settings import ServerSettings
 from gpuswap.node.store import Store
@@ -91,7 +92,8 @@ def _ray_pool(opts: ServerSettings) -> tuple[pool_mod.Pool, GpuInventory]:
         raise DaemonUnavailable(f"--ray needs Ray, which is not installed here ({e.name or e}): "
                                 'pip install "gpuswap[ray]"') from None
     try:
-        pool = RayPool(opts.ray or "auto", opts.pause_timeout_s, opts.node_lost_s, opts.ram_budget)
+        pool = RayPool(opts.ray or "auto", opts.pause_timeout_s, opts.node_lost_s, opts.ram_budget,
+                       calibrate=opts.calibrate)
     except RayUnavailable as e:
         raise DaemonUnavailable(str(e)) from None
     return pool, PoolInventory(pool)
@@ -144,8 +146,12 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     driver = checkpoint_driver(home, gpus) if ray_pool is None else cuda_ckpt.UnavailableDriver(
         ray_pool[0].capability)
     bandwidths = Bandwidths(store)   # what earlier runs learned from real moves, reloaded
+    # A pool's nodes each have their own figures: calibrated by their agents (RayPool asks them
+    # unless --no-calibrate), refined by their own moves, kept per node (node/nodebandwidths.py).
+    node_bandwidths = (None if ray_pool is None else
+                       NodeBandwidths(store, lambda: getattr(ray_pool[0], "calibrations", {})))
     # Calibration takes a second or so of disk I/O (and pinned copies on a real GPU): serve
-    # meanwhile, with what is known until it lands. (A pool's nodes are not calibrated yet.)
+    # meanwhile, with what is known until it lands.
     if opts.calibrate and ray_pool is None:
         threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
                          daemon=True).start()
@@ -160,7 +166,7 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
                                                          class_half_life_s=opts.class_half_life_s,
                                                          class_floor_share=opts.class_floor_share))
     pool = pool_mod.single(launcher, gpus, driver) if ray_pool is None else ray_pool[0]
-    controller = Controller(store, launcher, pool, config, bandwidths)
+    controller = Controller(store, launcher, pool, config, bandwidths, node_bandwidths=node_bandwidths)
     app = frontend.make_app(store, controller, gpus, launcher)
     app.state.public_url = public_url(tcp_sock) if tcp_sock else None
     if ray_pool is not None and frontend.replayer is not None:

@@ -83,6 +83,8 @@ class RayNode(Node):
 
     def __init__(self, name: str, node_id: str, handle: Any, info: dict[str, Any]):
         self.name, self.node_id, self.handle, self.info = name, node_id, handle, info
+        self.calibrating: Any = None     # the agent's calibration() call in flight, if any
+        self.calibrated = False          # its agent's calibration was taken
 
     def _call(self, method: str, *args: Any) -> Any:
         return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
@@ -143,8 +145,12 @@ class RayPool(Pool):
     """The nodes of the Ray cluster at `address` ("auto": the one this machine belongs to)."""
 
     def __init__(self, address: str, pause_timeout_s: float, lost_after_s: float = 600.0,
-                 ram_budget: Optional[int] = None):
+                 ram_budget: Optional[int] = None, calibrate: bool = True):
         super().__init__([], NOT_YET)
+        # Each node's switch-cost calibration, made by its agent (`--no-calibrate`: never asked):
+        # node name -> its figures, read by the head's node/nodebandwidths.py.
+        self.calibrate = calibrate
+        self.calibrations: dict[str, dict[str, Any]] = {}
         try:
             ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False,
                      configure_logging=False)
@@ -226,6 +232,35 @@ class RayPool(Pool):
             node = self._by_id.pop(node_id)
             self._nodes.pop(node.name, None)
             log.warning("node %s left the pool (Ray reports it dead)", node.name)
+        if self.calibrate:
+            self._ask_calibrations()
+
+    def _ask_calibrations(self) -> None:
+        """Ask each node that joined for its calibration (its agent makes it on a thread of its
+        own, node/agent.py) and keep what comes back; never waits: a call not answered yet is
+        looked at again at the next membership look, one still being made is asked again."""
+        for node in list(self._by_id.values()):
+            if node.calibrated:
+                continue
+            if node.calibrating is None:
+                node.calibrating = node.handle.calibration.remote()
+                continue
+            ready, _ = ray.wait([node.calibrating], timeout=0)
+            if not ready:
+                continue
+            try:
+                figures = ray.get(node.calibrating)
+            except Exception as e:       # its agent restarting: asked again next time
+                log.warning("node %s: could not read its calibration: %s", node.name,
+                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                figures = None
+            node.calibrating = None
+            if isinstance(figures, dict):
+                node.calibrated = True
+                self.calibrations[node.name] = figures
+                log.info("node %s calibrated: %s", node.name, ", ".join(
+                    f"{f} {v.get('bytes_per_s', 0) / 1e9:.1f} GB/s" for f, v in figures.items()
+                    if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float))) or "nothing")
 
     def lost(self, placed: set[str]) -> dict[str, str]:
         """A node is lost for good when no alive Ray node has answered to its name for

@@ -268,6 +268,20 @@ def _node(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE jobs ADD COLUMN node TEXT")
 
 
+# -- version 7: a pool's switch-cost figures per node (docs/ray.md) -------------------------------
+# Each node's disks and links are its own, so what real moves taught is kept per (node, field).
+# The key changes, which ALTER TABLE cannot do: a new table filled from the old one. The rows a
+# single daemon learned are its own machine's, node '' (a single daemon's jobs carry no node).
+def _bandwidths_by_node(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE bandwidths_by_node (node TEXT NOT NULL DEFAULT '', field TEXT NOT NULL, "
+               "bytes_per_s REAL NOT NULL, samples INTEGER NOT NULL, updated REAL NOT NULL, "
+               "PRIMARY KEY (node, field))")
+    db.execute("INSERT INTO bandwidths_by_node (node,field,bytes_per_s,samples,updated) "
+               "SELECT '',field,bytes_per_s,samples,updated FROM bandwidths")
+    db.execute("DROP TABLE bandwidths")
+    db.execute("ALTER TABLE bandwidths_by_node RENAME TO bandwidths")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
@@ -279,6 +293,8 @@ STEPS: tuple[Step, ...] = (
     Step(5, "jobs gain time_limit_s and their runtime estimate (estimate_s, estimate_from, estimate_runs)",
          _estimates),
     Step(6, "jobs gain node, the pool node a job runs or is parked on (NULL: the daemon's own machine)", _node),
+    Step(7, "bandwidths are kept per pool node (key node, field; '': the daemon's own machine)",
+         _bandwidths_by_node),
 )
 LATEST = STEPS[-1].version
 

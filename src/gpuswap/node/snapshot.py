@@ -78,10 +78,12 @@ def schedulable(j: JobRecord) -> bool:
 def build(now: float, gpus: Iterable[GpuInfo], views: Iterable[JobView], config: PolicyConfig,
           costs: SwitchCosts, ram_budget: int | Mapping[str, int], usage: Mapping[str, float],
           kept: Mapping[int, int] | None = None,
-          class_usage: Mapping[tuple[str, int], float] | None = None) -> Snapshot:
+          class_usage: Mapping[tuple[str, int], float] | None = None,
+          node_costs: Mapping[str, SwitchCosts] | None = None) -> Snapshot:
     """`views`: job_view() of the schedulable jobs (the controller caches them per record version);
     `kept`: GPU -> what RAM-parked jobs outside the snapshot keep there (node/residue.py).
-    `ram_budget`: host RAM parked jobs may hold, on every node or per node (a pool's, Pool.ram_budget)."""
+    `ram_budget`: host RAM parked jobs may hold, on every node or per node (a pool's, Pool.ram_budget).
+    `node_costs`: a pool's nodes' own switch costs (node/nodebandwidths.py); None: `costs` everywhere."""
     kept = kept or {}
     gpus = tuple(gpus)
     nodes = sorted({g.node or NODE for g in gpus}) or [NODE]
@@ -95,6 +97,7 @@ def build(now: float, gpus: Iterable[GpuInfo], views: Iterable[JobView], config:
         ram_budget={n: ram_budget if isinstance(ram_budget, int) else ram_budget.get(n, 0) for n in nodes},
         usage=dict(usage),
         class_usage=dict(class_usage or {}),
+        node_costs=dict(node_costs or {}),
     )
 
 

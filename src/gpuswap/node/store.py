@@ -370,19 +370,21 @@ class Store:
             self._db.execute("COMMIT")
 
     # -- switch-cost bandwidths learned from real moves (node/bandwidth.py) ----------------
-    def load_bandwidths(self) -> dict[str, tuple[float, int]]:
-        """field -> (bytes/s, real moves folded in), as last saved."""
+    def load_bandwidths(self, node: str = "") -> dict[str, tuple[float, int]]:
+        """field -> (bytes/s, real moves folded in), as last saved for `node` (a pool's node by its
+        name; '': the daemon's own machine)."""
         with self._lock:
-            rows = self._db.execute("SELECT field,bytes_per_s,samples FROM bandwidths").fetchall()
+            rows = self._db.execute("SELECT field,bytes_per_s,samples FROM bandwidths WHERE node=?",
+                                    (node,)).fetchall()
         return {r["field"]: (float(r["bytes_per_s"]), int(r["samples"])) for r in rows}
 
-    def save_bandwidth(self, field: str, bytes_per_s: float, samples: int, now: float) -> None:
+    def save_bandwidth(self, field: str, bytes_per_s: float, samples: int, now: float, node: str = "") -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO bandwidths (field,bytes_per_s,samples,updated) VALUES (?,?,?,?) "
-                "ON CONFLICT(field) DO UPDATE SET bytes_per_s=excluded.bytes_per_s, "
+                "INSERT INTO bandwidths (node,field,bytes_per_s,samples,updated) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(node,field) DO UPDATE SET bytes_per_s=excluded.bytes_per_s, "
                 "samples=excluded.samples, updated=excluded.updated",
-                (field, bytes_per_s, samples, now))
+                (node, field, bytes_per_s, samples, now))
 
     # -- API tokens (only their sha256 is stored) and the event log for metrics -------------
     def add_token(self, token_id: str, user: str, uid: int, digest: str, now: float, created_by: str,

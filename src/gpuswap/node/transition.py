@@ -61,8 +61,11 @@ class Transition:
 class Applier:
     """Writes transitions to the store, then performs their effects."""
 
-    def __init__(self, store: Store, bandwidths: Bandwidths, ckpt_dir: Callable[[int], Path]):
+    def __init__(self, store: Store, bandwidths: Bandwidths, ckpt_dir: Callable[[int], Path],
+                 node_bandwidths: Optional[Any] = None):
         self.store, self.bandwidths, self.ckpt_dir = store, bandwidths, ckpt_dir
+        # A pool's figures per node (node/nodebandwidths.py): a move is its node's.
+        self.node_bandwidths = node_bandwidths
         self._killing: set[int] = set()     # jobs whose orphaned processes are being killed
 
     def apply(self, job_id: int, t: Transition, node: Optional[Any] = None) -> None:
@@ -74,10 +77,12 @@ class Applier:
             self._killing.discard(job_id)
         for e in t.effects:
             if isinstance(e, Sample):
+                bw = (self.bandwidths if self.node_bandwidths is None or node is None
+                      else self.node_bandwidths.of(node.name))
                 if e.nbytes is None:
-                    self.bandwidths.observe_seconds(e.field, e.seconds)
+                    bw.observe_seconds(e.field, e.seconds)
                 else:
-                    self.bandwidths.observe(e.field, e.nbytes, e.seconds)
+                    bw.observe(e.field, e.nbytes, e.seconds)
                 continue
             if node is not None:
                 node.effect(job_id, e)

@@ -8,9 +8,37 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from gpuswap.policy.capability import park_s, resume_s
-from gpuswap.policy.model import JobView, PolicyConfig, SwitchCosts
+from gpuswap.policy.model import JobView, PolicyConfig, Snapshot, SwitchCosts
 
 UNLIMITED = float("inf")
+
+
+def costs_on(snap: Snapshot, node: Optional[str]) -> SwitchCosts:
+    """What moving a job's state costs on `node`: that node's own figures in a pool whose nodes
+    were measured apart (`Snapshot.node_costs`), else the snapshot's one set. Every park, resume
+    and spill of a job is priced with its own node's, so a node with a slow disk makes its jobs
+    dearer to move to disk than the same jobs elsewhere."""
+    by_node = snap.node_costs
+    if not by_node or node is None:
+        return snap.costs
+    return by_node.get(node, snap.costs)
+
+
+_GPU_NODES: list = [None, {}]    # memo: the GPU tuple last seen, GPU id -> its node
+
+
+def costs_of(snap: Snapshot, job: JobView) -> SwitchCosts:
+    """`costs_on` the node `job` is on: its GPUs' node while it holds GPUs, else the node its
+    parked state is on (`JobView.node`)."""
+    if not snap.node_costs:
+        return snap.costs
+    node = job.node
+    if job.assigned:
+        memo = _GPU_NODES
+        if memo[0] is not snap.gpus:
+            memo[0], memo[1] = snap.gpus, {g.id: g.node for g in snap.gpus}
+        node = memo[1].get(job.assigned[0], node)
+    return costs_on(snap, node)
 
 
 def job_bytes(job: JobView) -> int:
@@ -25,7 +53,21 @@ def switch_s(job: JobView, tier: str, costs: SwitchCosts) -> float:
 
 
 _ROUND_TRIPS: list = [None, {}]   # memo: the SwitchCosts last seen, (bytes, width, tier) -> round trip
-_ROUND_TRIPS_MAX = 4096           # distinct footprints kept before the memo starts afresh
+_ROUND_TRIPS_MAX = 4096           # distinct footprints kept per costs before their table starts afresh
+# Every costs seen lately (a pool's nodes each have their own, and a round alternates between
+# them): id -> (the costs, their table). The costs are kept in it, so an id is never reused while
+# its entry lives; the daemon makes new costs only when a figure changes.
+_TABLES: dict[int, tuple[SwitchCosts, dict]] = {}
+_TABLES_MAX = 256
+
+
+def _table(costs: SwitchCosts) -> dict:
+    entry = _TABLES.get(id(costs))
+    if entry is None or entry[0] is not costs:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        entry = _TABLES[id(costs)] = (costs, {})
+    return entry[1]
 
 
 def park_resume_s(costs: SwitchCosts, nbytes: int, tier: str, width: int) -> float:
@@ -33,14 +75,18 @@ def park_resume_s(costs: SwitchCosts, nbytes: int, tier: str, width: int) -> flo
     footprint. A round scores every victim on every node (and again after each pause there),
     and a victim's cost is worked out rank by rank (capability.py): most of a big round's cost
     went to recomputing the same few sums. (Keyed by the costs' identity: they are fixed for a
-    run of the simulator and change rarely in the daemon.)"""
+    run of the simulator and change rarely in the daemon; a pool's nodes' costs, which a round
+    alternates between, each keep their own table.)"""
     memo = _ROUND_TRIPS
-    if memo[0] is not costs or len(memo[1]) > _ROUND_TRIPS_MAX:
-        memo[0], memo[1] = costs, {}
+    if memo[0] is not costs:
+        memo[0], memo[1] = costs, _table(costs)
+    table = memo[1]
     key = (nbytes, width, tier)
-    s = memo[1].get(key)
+    s = table.get(key)
     if s is None:
-        s = memo[1][key] = park_s(costs, nbytes, tier, width) + resume_s(costs, nbytes, tier, width)
+        if len(table) > _ROUND_TRIPS_MAX:
+            table.clear()
+        s = table[key] = park_s(costs, nbytes, tier, width) + resume_s(costs, nbytes, tier, width)
     return s
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from gpuswap.jobs import format_size
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import park_plan
+from gpuswap.policy.costs import costs_on, park_plan
 from gpuswap.policy.residue import after_park, kept_text
 from gpuswap.policy.model import Blocker, JobView, Pause, Phase, Resume, Snapshot, Start, Wait
 from gpuswap.policy.classes import class_of, describe, floor_refusal
@@ -151,7 +151,7 @@ class Explainer:
             return ("Reserved", f"not paused for it: kept for job {holder}, which holds a reservation on "
                     f"{node}", {})
         cl = self.cl
-        plan = park_plan(v, cl.ram_free[node], lambda: cl.spillable_on(node), snap.costs, snap.config)
+        plan = park_plan(v, cl.ram_free[node], lambda: cl.spillable_on(node), costs_on(snap, node), snap.config)
         if plan is None:
             return ("NoRoom", "nowhere to park it: the host-RAM park budget is full"
                     + ("" if snap.config.allow_disk and "disk" in v.tiers else " and it cannot go to disk"), {})

@@ -176,6 +176,10 @@ class Snapshot:
     # (user, class) -> decayed GPU-seconds in jobs of that class, for the urgent and high classes
     # (policy/classes.py; half-life config.class_half_life_s; kept like `usage` by the caller).
     class_usage: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    # A pool's nodes each move state at their own speed (docs/ray.md): node -> that node's costs,
+    # which price the park, resume and spill of a job on it (`costs.costs_on`). A node not in it,
+    # and every job when it is empty (one machine, the simulator), is priced with `costs`.
+    node_costs: Mapping[str, SwitchCosts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from gpuswap.jobs import format_size
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, disk_plan
+from gpuswap.policy.costs import ParkPlan, costs_of, disk_plan
 from gpuswap.policy.model import JobView, Snapshot
 
 
@@ -39,7 +39,7 @@ def after_park(w: JobView, v: JobView, plan: ParkPlan, cl: ClusterState, snap: S
         return None
     if plan.tier != "ram" or v.residue_bytes <= 0 or all(cl.fits(g, w, v.residue_bytes) for g in v.assigned):
         return plan
-    return disk_plan(v, snap.costs, snap.config)
+    return disk_plan(v, costs_of(snap, v), snap.config)
 
 
 def clearing(w: JobView, nodes: list[str], need: int, cl: ClusterState, may_spill: Callable[[JobView], bool],

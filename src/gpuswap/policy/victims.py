@@ -16,7 +16,7 @@ from operator import itemgetter
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
+from gpuswap.policy.costs import ParkPlan, costs_of, costs_on, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
 from gpuswap.policy.model import JobView, Phase, Snapshot
 from gpuswap.policy.residue import after_park
 from gpuswap.policy.specs import Ctx, Spec
@@ -48,7 +48,7 @@ def round_trip_s(v: JobView, snap: Snapshot) -> tuple[float, str]:
     if v.switches > 0 and v.switch_s > 0:
         return v.switch_s / v.switches, "measured"
     tier = "ram" if "ram" in v.tiers else "disk"
-    return switch_s(v, tier, snap.costs), tier
+    return switch_s(v, tier, costs_of(snap, v)), tier
 
 
 def protected_s(v: JobView, snap: Snapshot) -> float:
@@ -121,7 +121,7 @@ def may_spill_for(w: JobView, lw: Optional[tuple], p: JobView, snap: Snapshot, s
         return False
     if not lw < spec.level(p, ctx):
         return False
-    cost = spill_penalty_gpu_s(p, snap.costs) / max(p.gpus, 1)
+    cost = spill_penalty_gpu_s(p, costs_of(snap, p)) / max(p.gpus, 1)
     if spec.switch_cap and not under_switch_cap(p, cost, snap):
         return False
     return spec.benefit_ok is None or spec.benefit_ok(w, p, ctx, cost)
@@ -173,8 +173,8 @@ def scored(victims: list[Victim], cl: ClusterState, snap: Snapshot, spec: Spec,
     (kept on the victim: `plan_on` reuses it while its node's RAM room is unchanged)."""
     out = []
     for c in victims:
-        c.plan = park_plan(c.job, cl.ram_free[c.node], lambda n=c.node: cl.spillable_on(n), snap.costs,
-                           snap.config)
+        c.plan = park_plan(c.job, cl.ram_free[c.node], lambda n=c.node: cl.spillable_on(n),
+                           costs_on(snap, c.node), snap.config)
         c.seen = cl.ram_version[c.node]
         c.key = None if c.plan is None else spec.victim(c.job, ctx, c.plan.per_gpu_s(c.job))
         if c.key is not None:
@@ -209,7 +209,7 @@ def plan_on(w: JobView, lw: tuple, node: str, ranked: list[tuple[tuple, Victim]]
             plan = c.plan                   # as scored: nothing on this node has changed since
         else:
             plan = park_plan(v, ram_left, lambda: [p for p in cl.spillable_on(node) if p.id not in spilled],
-                             snap.costs, snap.config)
+                             costs_on(snap, node), snap.config)
         if plan is None:
             continue
         if cl.residue or v.residue_bytes > 0:   # would its RAM park leave too little room for w?
