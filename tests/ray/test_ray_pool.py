@@ -610,28 +610,6 @@ def test_each_node_is_calibrated_by_its_own_agent_and_gpus_shows_its_figures(hea
         assert "disk write" in shown[n] and "(calibrated: 128 MiB write+fsync in the home)" in shown[n], text
 
 
-def test_retention_forgets_finished_jobs_with_their_files_on_their_nodes(head, base):
-    """Last in the module: the head started again with `--retention 1s`. A finished job's record
-    goes, and its files go with it on the node that ran it (deleted there by its agent)."""
-    job = head.submit(["sh", "-c", "echo kept-until-forgotten"], name="to-forget")
-    node = head.state(job, "COMPLETED")["node"]
-    job_dir = base / f"agent-{node}" / "jobs" / str(job)
-    assert (job_dir / "output.log").read_text().strip() == "kept-until-forgotten"
-    head.stop()
-    head.args = [*head.args, "--retention", "1s"]
-    head.start()
-
-    def forgotten(_: Any) -> bool:
-        try:
-            head.job(job)
-        except ClientError as e:
-            return f"no job {job}" in str(e)
-        return False
-
-    head.until(0, forgotten, get="/v1/health")
-    assert not job_dir.exists()
-
-
 # -- placement by working directory: a node that cannot enter it gets no job of it --------------------
 def _start_node_without(base: Path, cluster: Cluster, name: str, hidden: Path) -> Any:
     """A Ray node (`ray start --block`, as on a server) whose processes do not see what is in
@@ -695,3 +673,25 @@ def test_a_job_goes_only_to_nodes_where_its_working_directory_can_be_entered(hea
     head.until(0, lambda g: "node-h" not in [x["node"] for x in g["gpus"]], get="/v1/gpus")
     for j in held.values():
         assert head.cli("wait", str(j)).returncode == 0
+
+
+def test_retention_forgets_finished_jobs_with_their_files_on_their_nodes(head, base):
+    """Last in the module: the head started again with `--retention 1s`. A finished job's record
+    goes, and its files go with it on the node that ran it (deleted there by its agent)."""
+    job = head.submit(["sh", "-c", "echo kept-until-forgotten"], name="to-forget")
+    node = head.state(job, "COMPLETED")["node"]
+    job_dir = base / f"agent-{node}" / "jobs" / str(job)
+    assert (job_dir / "output.log").read_text().strip() == "kept-until-forgotten"
+    head.stop()
+    head.args = [*head.args, "--retention", "1s"]
+    head.start()
+
+    def forgotten(_: Any) -> bool:
+        try:
+            head.job(job)
+        except ClientError as e:
+            return f"no job {job}" in str(e)
+        return False
+
+    head.until(0, forgotten, get="/v1/health")
+    assert not job_dir.exists()
