@@ -12,7 +12,6 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "slurm"))
-sys.path.insert(0, str(TESTS / "web"))
 
 import slurmctl  # noqa: E402
 import webtools  # noqa: E402

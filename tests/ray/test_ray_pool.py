@@ -25,6 +25,7 @@ from gpuswap.node.launcher import Launcher  # noqa: E402
 from gpuswap.node.raypool import NAMESPACE  # noqa: E402
 from gpuswap.protocol import env as envvars  # noqa: E402
 from gpuswap_testing import FACT_TIMEOUT_S, AsUser, Daemon, Gate, ensure_user  # noqa: E402
+from webtools import CHROMIUM, CHROMIUM_ARGS, free_port, why_no_browser  # noqa: E402
 
 NODES = ("node-a", "node-b")
 
@@ -65,7 +66,9 @@ def head(base: Path, cluster: Cluster) -> Iterator[Daemon]:
     home.chmod(0o755)
     # --pause-timeout 600: a job asked to pause stays PAUSING until it reaches a safepoint, however
     # slow the machine (a node is removed mid-park below).
-    d = Daemon(home, ["--ray", cluster.address, "--no-calibrate", "--min-runtime", "1",
+    # --listen: the dashboard's browser test reaches the head over TCP, as a lab's browsers would.
+    d = Daemon(home, ["--ray", cluster.address, "--no-calibrate", "--min-runtime", "1", "--listen",
+                      f"127.0.0.1:{free_port()}",
                       "--max-switch-fraction", "1", "--node-lost-after", "0", "--pause-timeout", "600"])
     try:
         d.start()
@@ -608,6 +611,40 @@ def test_each_node_is_calibrated_by_its_own_agent_and_gpus_shows_its_figures(hea
     assert set(shown) == set(NODES), text
     for n in NODES:
         assert "disk write" in shown[n] and "(calibrated: 128 MiB write+fsync in the home)" in shown[n], text
+
+
+def test_the_dashboard_names_each_gpu_and_job_by_its_node_in_a_browser(head, base):
+    """The web page in a real headless Chromium against the pool's head: every node's GPU as a
+    card named node:index (simulated, and saying so), a job's GPUs and its node on its page."""
+    why = why_no_browser(CHROMIUM)
+    if why:
+        pytest.skip(f"BROWSER TESTS NOT RUN: {why}")
+    from playwright.sync_api import expect, sync_playwright
+    url = "http://" + head.args[head.args.index("--listen") + 1]
+    token = head.client.post("/v1/tokens", {"user": None, "note": "pool page"})["token"]
+    gate = Gate(head.home / "page.go")
+    job = head.submit(gate.hold(), name="on-a-node")
+    node = head.state(job, "RUNNING")["node"]
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                page.set_default_timeout(30_000)
+                page.goto(f"{url}/ui/#token={token}")
+                for n in NODES:
+                    expect(page.locator(f'.gpu[data-gpu="{n}:0"] h3')).to_contain_text(f"GPU {n}:0")
+                    expect(page.locator(f'.gpu[data-gpu="{n}:0"]')).to_contain_text("simulated")
+                expect(page.locator(f'.gpu[data-gpu="{node}:0"]')).to_contain_text(f"job {job}")
+                expect(page.locator(f'#jobs tr[data-job-id="{job}"] .gpus')).to_contain_text(f"[{node}:0]")
+                page.screenshot(path=str(base / "pool-page.png"), full_page=True)
+                page.goto(f"{url}/ui/#/job/{job}")
+                expect(page.locator("#job-facts")).to_contain_text(f"assigned 0 on node {node}")
+            finally:
+                browser.close()
+    finally:
+        gate.open()
+    assert head.cli("wait", str(job)).returncode == 0
 
 
 # -- placement by working directory: a node that cannot enter it gets no job of it --------------------

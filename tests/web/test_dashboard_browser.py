@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from webtools import CHROMIUM, Web, start_web, why_no_browser
+from webtools import CHROMIUM, CHROMIUM_ARGS, Web, start_web, why_no_browser
 
 from gpuswap_testing import Gate
 
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
 
@@ -32,7 +30,7 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield b
         b.close()
 

@@ -1,6 +1,7 @@
-"""Shared by the web tests (imported, not a conftest: `from conftest import ...` elsewhere must stay unambiguous).
+"""Shared by the web tests and the pool's (tests/ray) browser test; imported, not a conftest:
+`from conftest import ...` elsewhere must stay unambiguous.
 
-A real daemon with a TCP listener on 127.0.0.1, and helpers to create bearer tokens."""
+A real daemon with a TCP listener on 127.0.0.1, helpers to create bearer tokens, and Chromium."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ import pytest
 
 # Debian's Chromium (tests/setup-system.sh installs it); Playwright drives it, never its own download.
 CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def why_no_browser(path: str = CHROMIUM) -> str | None:
