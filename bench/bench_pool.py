@@ -6,7 +6,8 @@ The goal (issue 16) is one decision in at most 50 ms. What is timed is the head'
 that a pool adds to the policy's, from the jobs' records to decisions that name (node, GPU): the
 pool's layout from each node's GPU list (node/pool.py's Layout), every schedulable job's view with
 its GPUs in pool ids (node/snapshot.py's job_view, uncached: the worst tick, after a node joined
-or left), the snapshot, `policy.decide`, and each decision's GPUs mapped back to their node. When due
+or left) and the nodes its working directory allows (node/workdirs.py: the answers known, read;
+the checks are made off the tick), the snapshot with each node's own switch costs, `policy.decide`, and each decision's GPUs mapped back to their node. When due
 (node/controller.py: EXPLAIN_SHARE times as long after the last as that took, at most EXPLAIN_S)
 a tick also works out why each queued job waits (`policy.decide_explained`, with each reason's
 GPUs named node:index as people see them): timed as its own row, "+ reasons", the whole of such a
@@ -35,10 +36,11 @@ import sys
 
 from gpuswap import policy
 from gpuswap.jobs import JobState
-from gpuswap.node import snapshot
+from gpuswap.node import snapshot, workdirs
 from gpuswap.node.gpus import GpuInfo
 from gpuswap.node.pool import Layout
 from gpuswap.node.records import JobRecord
+from gpuswap.node.workdirs import WorkdirChecks
 from gpuswap.policy.model import PolicyConfig, Snapshot, SwitchCosts
 
 from machine import machine, timed  # bench/machine.py: python puts bench/ first on sys.path
@@ -112,18 +114,36 @@ def gpu_lists(nodes: int, per_node: int) -> dict[str, list[GpuInfo]]:
                            for i in range(per_node)] for n in range(nodes)}
 
 
+def warm_workdirs(by_node: dict[str, list[GpuInfo]], jobs: list[JobRecord]) -> WorkdirChecks:
+    """The pool's working-directory answers (node/workdirs.py) for every job, all known: what a
+    tick reads (the checks themselves are made off the tick, on their own threads)."""
+    checks = WorkdirChecks(lambda node, cwd, uid, gid: None)
+    while any(len(checks.answers(by_node, j.cwd, j.uid, j.gid)) < len(by_node) for j in jobs):
+        pass
+    return checks
+
+
 def pool_snapshot(by_node: dict[str, list[GpuInfo]], jobs: list[JobRecord], single: bool,
-                  layout: Layout | None) -> Snapshot:
-    views = [snapshot.job_view(j, False, False, layout) for j in jobs if snapshot.schedulable(j)]
+                  layout: Layout | None, checks: WorkdirChecks | None = None) -> Snapshot:
+    """As the controller builds it; in a pool with each waiting job's nodes by its working
+    directory (`checks`) and each node's own switch costs."""
+    def allowed(j: JobRecord) -> tuple[str, ...]:
+        answers = None if single or checks is None else checks.answers(by_node, j.cwd, j.uid, j.gid)
+        return workdirs.reach(j, answers, by_node).nodes
+
+    views = [snapshot.job_view(j, False, False, layout, allowed_nodes=allowed(j)) for j in jobs
+             if snapshot.schedulable(j)]
+    node_costs = None if single else {n: SwitchCosts(disk_write_bps=(1 + i) * 1e9) for i, n in enumerate(by_node)}
     return snapshot.build(NOW, snapshot.pool_gpus(by_node, single), views, PolicyConfig(), SwitchCosts(),
-                          256 * GiB, {f"u{k}": k * 1e4 for k in range(40)})
+                          256 * GiB, {f"u{k}": k * 1e4 for k in range(40)}, node_costs=node_costs)
 
 
-def head_decision(by_node: dict[str, list[GpuInfo]], jobs: list[JobRecord], single: bool, explained: bool) -> int:
+def head_decision(by_node: dict[str, list[GpuInfo]], jobs: list[JobRecord], single: bool, explained: bool,
+                  checks: WorkdirChecks | None = None) -> int:
     """The head's part of one tick, records to decisions naming their node (see the docstring);
     `explained`: a tick that also works out why each waiting job waits (when due)."""
     layout = None if single else Layout.of(by_node)
-    snap = pool_snapshot(by_node, jobs, single, layout)
+    snap = pool_snapshot(by_node, jobs, single, layout, checks)
     if explained:
         decisions, waits = policy.decide_explained(snap, "gpuswap")
     else:
@@ -156,10 +176,11 @@ def main() -> int:
         one["local"] = [GpuInfo(i, g.name, g.uuid, g.mem_total, None, True) for i, g in enumerate(one["local"])]
         for mode, by_node, jobs, single in (("pool", lists, pooled, False),
                                             ("one machine", one, on_one_machine(pooled, args.gpus_per_node), True)):
-            snap = pool_snapshot(by_node, jobs, single, None if single else Layout.of(by_node))
+            checks = None if single else warm_workdirs(by_node, jobs)
+            snap = pool_snapshot(by_node, jobs, single, None if single else Layout.of(by_node), checks)
             for part, fn in (("policy.decide", lambda: len(policy.decide(snap, "gpuswap"))),
-                             ("head's decision", lambda: head_decision(by_node, jobs, single, False)),
-                             ("+ reasons (when due)", lambda: head_decision(by_node, jobs, single, True))):
+                             ("head's decision", lambda: head_decision(by_node, jobs, single, False, checks)),
+                             ("+ reasons (when due)", lambda: head_decision(by_node, jobs, single, True, checks))):
                 n = fn()
                 ts = timed(fn, args.repeat)
                 med = statistics.median(ts)
