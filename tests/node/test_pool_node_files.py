@@ -121,6 +121,9 @@ def test_a_multi_rank_checkpoint_counts_only_with_every_ranks_part_committed(bas
     (d / "ckpt-000023.json").symlink_to(d / "ckpt-000001.json")
     (d / "ckpt-000024.json").write_text("[" * 60_000)
     (d / "ckpt-000025.json").write_bytes(b"\xff\xfe not UTF-8")
+    parts_manifest(d, 28, 280, [part(d, 28, 0), part(d, 28, 1)], created_unix=10**400)   # no float
+    parts_manifest(d, 27, 270, [part(d, 27, 0), part(d, 27, 1)])
+    (d / "ckpt-000027.json").rename(d / "ckpt-27.json")                        # not the name rank 0 gives it
     done: list[object] = []
     t = threading.Thread(target=lambda: done.append(launcher.last_checkpoint(7, width=2)), daemon=True)
     t.start()

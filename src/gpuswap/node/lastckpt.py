@@ -15,9 +15,9 @@ process group, as its runtime reported them):
 - one rank: a `gpuswap-ckpt/1` manifest (runtime/checkpoint.py); a multi-rank one is skipped;
 - N ranks: a `gpuswap-ckpt/2` manifest of world size N only, by the format's commit rule
   (runtime/ckparts.py): rank 0 writes the manifest once every rank's part is durable, so a
-  manifest commits, and only one that names exactly one part per rank 0..N-1, all of its own seq
-  (`ckparts.read_manifest`, the restore's own check), each part here as a regular file of the
-  size it names. Parts a crash left before their manifest are never counted: no manifest names them.
+  manifest commits, and only one named as rank 0 names it, that names exactly one part per rank
+  0..N-1, all of its own seq (`ckparts.read_manifest`, the restore's own check), each part here as
+  a regular file of the size it names. Parts a crash left before their manifest are never counted: no manifest names them.
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def last_checkpoint(directory: Union[str, os.PathLike], width: int = 1) -> Optio
         return None
     try:
         names = sorted(((int(m.group(1)), n) for n in os.listdir(dfd) if (m := MANIFEST.match(n))), reverse=True)
-        for seq, name in names:
+        for _, name in names:
             data = _json(small_file(name, dfd))
-            found = _single(data) if width == 1 else _parts(data, seq, width, dfd)
+            found = _single(data) if width == 1 else _parts(data, name, width, dfd)
             if found is not None:
                 return found
         return None
@@ -62,9 +62,10 @@ def _single(data: Any) -> Optional[tuple[int, int]]:
     return (step, nbytes) if _count(step) and _count(nbytes) else None
 
 
-def _parts(data: Any, seq: int, width: int, dfd: int) -> Optional[tuple[int, int]]:
-    """A committed `gpuswap-ckpt/2` checkpoint of `width` ranks named `ckpt-SEQ.json`: its
-    (step, bytes of all its parts); None where any rank's part is missing from it or from here."""
+def _parts(data: Any, name: str, width: int, dfd: int) -> Optional[tuple[int, int]]:
+    """A committed `gpuswap-ckpt/2` checkpoint of `width` ranks, its manifest `name`d as rank 0
+    names it (`ManifestInfo.manifest`; the runtime's prune keeps no other): its (step, bytes of all
+    its parts); None where any rank's part is missing from it or from here."""
     if not isinstance(data, dict) or data.get("format") != FORMAT_PARTS:
         return None
     parts, tick = data.get("parts"), data.get("tick")
@@ -74,9 +75,9 @@ def _parts(data: Any, seq: int, width: int, dfd: int) -> Optional[tuple[int, int
         return None
     try:
         info = ckparts.read_manifest(data)     # one part per rank, all of one seq: the restore's rule
-    except CheckpointError:
+    except (CheckpointError, ArithmeticError):     # its own rule broken; a number too large for a float
         return None
-    if info.seq != seq or info.world_size != width or info.bytes >= LIMIT:
+    if info.manifest != name or info.world_size != width or info.bytes >= LIMIT:
         return None
     for part in info.parts:                    # its own name only (read_manifest checked): no path
         try:
