@@ -17,7 +17,8 @@ process group, as its runtime reported them):
   (runtime/ckparts.py): rank 0 writes the manifest once every rank's part is durable, so a
   manifest commits, and only one named as rank 0 names it, that names exactly one part per rank
   0..N-1, all of its own seq (`ckparts.read_manifest`, the restore's own check), each part here as
-  a regular file of the size it names. Parts a crash left before their manifest are never counted: no manifest names them.
+  a regular file of the size it names. Parts a crash left before their manifest never count: no
+  manifest names them.
 """
 from __future__ import annotations
 
