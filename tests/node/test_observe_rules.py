@@ -277,3 +277,23 @@ def test_a_job_on_a_lost_node_ends_failed_with_its_exit_unknown(record):
     after = _after(record, t)
     assert after.state is JobState.FAILED and (after.exit_code, after.signal) == (None, None)
     assert after.end_time == T and lifecycle.violations(after) == []
+
+
+RANKS = [{"rank": r, "pid": 500 + r, "state": "running", "connected": True, "device_bytes": GiB} for r in (0, 1)]
+
+
+@pytest.mark.parametrize("record", [job(node="n", gpus=2, assigned=[0, 1], width=2, ranks=RANKS),
+                                    job(node="n", gpus=2, width=2, ranks=RANKS, **dict(PARKED_RAM, home_gpus=[0, 1])),
+                                    job(node="n", gpus=2, width=2, ranks=RANKS, **dict(RESUMING_DISK, assigned=[0, 1]))],
+                         ids=["running", "parked-ram", "resuming-disk"])
+def test_a_multi_rank_job_of_a_lost_node_is_requeued_to_its_checkpoint_with_every_rank_written(record):
+    from gpuswap.node.observe import node_lost_requeued
+    t = node_lost_requeued(record, "node n is lost", 6, 3 * GiB, T)
+    assert t.event is not None and t.event.kind is K.REQUEUED and t.effects == ()
+    assert t.event.text == ("node n is lost; requeued from its last disk checkpoint (step 6, 3.0 GiB, 2 parts, "
+                            "one per rank), on storage other nodes reach")
+    lifecycle.check(record.state, t.event.kind, t.changes["state"])
+    after = _after(record, t)
+    assert (after.state, after.parked, after.parked_bytes, after.step, after.assigned) == (PD, "disk", 3 * GiB, 6, [])
+    assert after.ranks == [dict(r, state="written", connected=False, device_bytes=0) for r in RANKS]
+    assert after.width == 2 and lifecycle.violations(after) == []

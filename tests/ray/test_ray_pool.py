@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,13 +31,13 @@ from webtools import CHROMIUM, CHROMIUM_ARGS, free_port, why_no_browser  # noqa:
 NODES = ("node-a", "node-b")
 
 
-def node_args(base: Path, name: str) -> dict[str, Any]:
+def node_args(base: Path, name: str, gpus: str = "1x80GiB") -> dict[str, Any]:
     """One Ray node: its own resource (so it can be told apart on one machine), and in its
-    environment its agent's state directory, one simulated GPU, its name in the pool and the
-    checkpoint directory every node shares (on one machine, one directory)."""
+    environment its agent's state directory, its simulated GPUs (one unless `gpus` says), its name
+    in the pool and the checkpoint directory every node shares (on one machine, one directory)."""
     return dict(num_cpus=1, object_store_memory=80 * 1024**2, include_dashboard=False,
                 resources={name.replace("-", "_"): 1},
-                env_vars={envvars.AGENT_HOME: str(base / f"agent-{name}"), envvars.AGENT_SIMULATE_GPUS: "1x80GiB",
+                env_vars={envvars.AGENT_HOME: str(base / f"agent-{name}"), envvars.AGENT_SIMULATE_GPUS: gpus,
                           envvars.NODE_NAME: name, envvars.AGENT_SHARED_CKPT: str(base / "shared-ckpt")})
 
 
@@ -525,17 +526,20 @@ def test_a_job_parked_to_disk_on_a_node_lost_for_good_resumes_on_another_exactly
 
 
 def _kill_what_ran_there(agent_home: Path, job: int) -> None:
-    """What a node lost for good takes with it: the job's supervisor and process (on this one
-    machine they outlive `Cluster.remove_node`; on a dead server they would be gone)."""
+    """What a node lost for good takes with it: the job's supervisor and processes, a multi-rank
+    job's ranks too (torchrun starts each in a session of its own; on this one machine they
+    outlive `Cluster.remove_node`; on a dead server they would be gone)."""
     runs = sorted((agent_home / "jobs" / str(job)).glob("run-*"), key=lambda p: int(p.name[4:]))
     status = json.loads((runs[-1] / "status.json").read_text())
     spawned = json.loads((runs[-1] / "spawned.json").read_text())
-    for pid in (status.get("job_pid"), spawned.get("pid")):
+    ranks = [r.get("pid") for r in status.get("rank_pids") or []]
+    for pid in (status.get("job_pid"), spawned.get("pid"), *ranks):
         if pid:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 def test_a_running_job_of_a_node_lost_for_good_restarts_from_its_last_disk_checkpoint_exactly(
@@ -710,6 +714,60 @@ def test_a_job_goes_only_to_nodes_where_its_working_directory_can_be_entered(hea
     head.until(0, lambda g: "node-h" not in [x["node"] for x in g["gpus"]], get="/v1/gpus")
     for j in held.values():
         assert head.cli("wait", str(j)).returncode == 0
+
+
+def test_a_multi_rank_job_of_a_node_lost_for_good_restarts_from_every_ranks_part_exactly(head, base, cluster):
+    """A torchrun job of 2 ranks on a node of 2 GPUs: its disk checkpoint is one part per rank and
+    a manifest on the shared storage. Its node lost for good, it goes back to that checkpoint and
+    restarts with both ranks on another node of 2 GPUs, ending bitwise equal, rank by rank, to
+    plain torchrun (tests/multirank/mr_job.py; only nodes of 2 GPUs can hold it)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "multirank"))
+    mr = pytest.importorskip("mr_testing", reason="needs torch with torch.distributed and gloo")
+    steps, out, ref = 12, head.home / "mr-lost", head.home / "mr-lost-ref"
+    gate = Gate(head.home / "mr-lost.go")
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(mr.reference, ref, 2, steps)     # meanwhile: it shares nothing with the job
+        lost = cluster.add_node(**node_args(base, "node-h", "2x80GiB"))
+        head.until(0, lambda g: [x["node"] for x in g["gpus"]].count("node-h") == 2, get="/v1/gpus")
+        try:
+            job = head.submit(mr.torchrun(2, "--steps", str(steps), "--out", str(out), "--gate", str(gate.path),
+                                          "--hold-at", "4,8"), name="mr-lost", gpus=2)
+            head.until(job, lambda j: j["state"] == "RUNNING" and len(j["ranks"]) == 2
+                       and all(r["connected"] for r in j["ranks"]))
+            assert head.job(job)["node"] == "node-h"
+            # Its disk checkpoint, held at step 4: parked to disk by its user, resumed on node-h.
+            assert head.cli("pause", "--to", "disk", str(job)).returncode == 0
+            step = head.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "disk")["step"]
+            manifest = json.loads(max((base / "shared-ckpt" / str(job)).glob("ckpt-*.json")).read_text())
+            assert (manifest["world_size"], manifest["step"], len(manifest["parts"])) == (2, step, 2)
+            assert head.cli("resume", str(job)).returncode == 0
+            head.until(job, lambda j: j["state"] != "PAUSED")                # placed again: on node-h
+            # The other node of 2 GPUs joins while the job restarts there (the one place it fits).
+            there = cluster.add_node(**node_args(base, "node-i", "2x80GiB"))
+            head.until(job, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) > step and j["node"] == "node-h"
+                       and all(r["connected"] for r in j["ranks"]))        # held again at step 8
+            cluster.remove_node(lost)
+            _kill_what_ran_there(base / "agent-node-h", job)
+            # Back to that checkpoint (PAUSED on disk, its ranks' parts written), then on to node-i.
+            requeued = head.until(job, lambda j: any(e["kind"] == "requeued" for e in j["events"]))
+            event = next(e for e in requeued["events"] if e["kind"] == "requeued")
+            assert event["state"] == "PAUSED" and "node node-h is lost" in event["reason"], event
+            assert f"requeued from its last disk checkpoint (step {step}," in event["reason"], event
+            assert "2 parts, one per rank" in event["reason"], event
+            gate.open()
+            done = head.state(job, "COMPLETED", "FAILED", timeout=300)
+        finally:
+            gate.open()
+        assert done["state"] == "COMPLETED" and done["node"] == "node-i", done
+        resumed = next(e for e in reversed(done["events"]) if e["kind"] == "resume_started")
+        assert "moved from node-h" in resumed["reason"], resumed
+        assert not any(e["kind"] == "failed" for e in done["events"])
+        reference.result()
+    cluster.remove_node(there)
+    for rank in (0, 1):
+        a, b = mr.load(ref / "ddp", rank), mr.load(out / "ddp", rank)
+        for key in ("params", "optimizer", "rng", "data"):
+            mr.assert_bitwise(a[key], b[key], f"rank {rank} {key}")
 
 
 def test_retention_forgets_finished_jobs_with_their_files_on_their_nodes(head, base):

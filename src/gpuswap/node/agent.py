@@ -214,8 +214,8 @@ class NodeAgent:
     def live_runs(self) -> list[tuple[int, int]]:
         return self.local.live_runs()
 
-    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
-        return self.local.last_checkpoint(job_id)
+    def last_checkpoint(self, job_id: int, width: int = 1) -> Optional[tuple[int, int]]:
+        return self.local.last_checkpoint(job_id, width)
 
     def forget(self, job_id: int) -> bool:
         return self.local.forget(job_id)

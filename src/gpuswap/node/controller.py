@@ -189,7 +189,7 @@ class Controller:
 
     def _lose(self, job: JobRecord, reach: tuple[str, ...], why: str, now: float) -> None:
         """Back to its last disk checkpoint where another node reaches one (shared storage), else FAILED."""
-        found = self.pool.on(reach[0]).last_checkpoint(job.id) if reach else None
+        found = self.pool.on(reach[0]).last_checkpoint(job.id, job.width) if reach else None
         self.applier.apply(job.id, observe.node_lost_requeued(job, why, *found, now) if found
                            else observe.node_lost(job, why, now))
 

@@ -20,12 +20,9 @@ supervisor). Modes are set explicitly, whatever the daemon's umask.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import pwd
-import re
 import shutil
-import stat
 import subprocess
 import sys
 import time
@@ -35,12 +32,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuswap.fsutil import make_dir, make_file, read_json
+from gpuswap.node import lastckpt
 from gpuswap.protocol import rundir
 from gpuswap.protocol.env import JobEnv
 from gpuswap.protocol.rundir import Desired, Spawned, Spec
 from gpuswap.protocol.status import ExitFacts, RuntimeFacts, SupervisorReport
-
-FORMAT_PARTS = "gpuswap-ckpt/2"    # a multi-rank job's checkpoint (runtime/checkpoint.py's constant)
 
 # How long a freshly spawned supervisor may take to write its first status before we call the
 # launch lost (a cold Python start on a loaded machine takes well under a second).
@@ -195,31 +191,10 @@ class Launcher:
             shutil.rmtree(self.ckpt_dir(job_id), ignore_errors=True)
         return not job_dir.exists() and (self.ckpt_root is None or not self.ckpt_dir(job_id).exists())
 
-    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
-        """(step, bytes) of the job's newest committed single-rank disk checkpoint, or None. The
-        manifests are the job owner's files, read here by root: each is opened without following
-        a link or waiting on a FIFO, read only if a small regular file, and its numbers checked.
-        Unverified otherwise: the job's own restore checks the payload's hash."""
-        try:
-            dfd = os.open(self.ckpt_dir(job_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            names = [(int(m.group(1)), n) for n in os.listdir(dfd) if (m := _MANIFEST.match(n))]
-            for _, name in sorted(names, reverse=True):
-                raw = _small_file(name, dfd)
-                try:
-                    data = json.loads(raw) if raw is not None else None
-                except ValueError:
-                    continue
-                if not isinstance(data, dict) or data.get("format") == FORMAT_PARTS:
-                    continue           # unreadable, or a multi-rank job's parts: not requeued
-                step, nbytes = data.get("step"), data.get("bytes")
-                if type(step) is int and type(nbytes) is int and 0 <= step < 2**62 and 0 <= nbytes < 2**62:
-                    return step, nbytes
-            return None
-        finally:
-            os.close(dfd)
+    def last_checkpoint(self, job_id: int, width: int = 1) -> Optional[tuple[int, int]]:
+        """(step, bytes) of the job's newest committed disk checkpoint that a job of `width` ranks
+        restores from (node/lastckpt.py: the owner's files, read as root without trusting them)."""
+        return lastckpt.last_checkpoint(self.ckpt_dir(job_id), width)
 
     def live_runs(self) -> list[tuple[int, int]]:
         """(job id, generation) of every supervisor alive under this home (its lock held): what
@@ -249,27 +224,6 @@ class Launcher:
 
 CWD_CHECK_TIMEOUT_S = 10.0
 ENV = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"   # coreutils: `env -C DIR CMD`
-
-
-_MANIFEST = re.compile(r"^ckpt-(\d{1,12})\.json$")
-MAX_MANIFEST_BYTES = 64 * 1024
-
-
-def _small_file(name: str, dir_fd: int) -> Optional[bytes]:
-    """A small regular file's bytes, or None: never a link, a FIFO or a device."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-            return None
-        return os.read(fd, MAX_MANIFEST_BYTES + 1)[:MAX_MANIFEST_BYTES]
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def log_file(home: Path, job_id: int) -> Path:

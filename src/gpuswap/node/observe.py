@@ -246,11 +246,17 @@ def node_lost(job: JobRecord, why: str, now: float) -> Transition:
 def node_lost_requeued(job: JobRecord, why: str, step: int, nbytes: int, now: float) -> Transition:
     """A pool's node lost for good, but the job's last disk checkpoint (at `step`) is on storage
     other nodes reach: it is parked on disk there again, as if it had been parked at that step,
-    and resumes on one of them (the work since that step is redone; what it did there is lost)."""
-    return Transition(now, dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=step,
-                                mechanism="cooperative", assigned=[], stopped=False, desired="running",
-                                desired_tier=None), NewEvent(
-        K.REQUEUED, f"{why}; requeued from its last disk checkpoint (step {step}, {format_size(nbytes)}), "
+    and resumes on one of them (the work since that step is redone; what it did there is lost).
+    A multi-rank job's checkpoint is every rank's part of that step (node/lastckpt.py): its ranks
+    are recorded as a park to disk leaves them, their parts written, none connected."""
+    changes: dict[str, Any] = dict(state=PD, parked="disk", parked_bytes=nbytes, home_gpus=[], step=step,
+                                   mechanism="cooperative", assigned=[], stopped=False, desired="running",
+                                   desired_tier=None)
+    if job.ranks:
+        changes["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
+    parts = f", {job.width} parts, one per rank" if job.width > 1 else ""
+    return Transition(now, changes, NewEvent(
+        K.REQUEUED, f"{why}; requeued from its last disk checkpoint (step {step}, {format_size(nbytes)}{parts}), "
                     "on storage other nodes reach"))
 
 

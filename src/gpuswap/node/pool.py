@@ -89,8 +89,9 @@ class Node(abc.ABC):
         """Where a job's output is on this node."""
 
     @abc.abstractmethod
-    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
-        """(step, bytes) of the job's newest disk checkpoint this node reaches, or None."""
+    def last_checkpoint(self, job_id: int, width: int = 1) -> Optional[tuple[int, int]]:
+        """(step, bytes) of the job's newest disk checkpoint this node reaches that a job of
+        `width` ranks restores from (node/lastckpt.py), or None."""
 
     @abc.abstractmethod
     def forget(self, job_id: int) -> bool:
@@ -177,8 +178,8 @@ class LocalNode(Node):
     def forget(self, job_id: int) -> bool:
         return self.launcher.forget(job_id)
 
-    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
-        return self.launcher.last_checkpoint(job_id)
+    def last_checkpoint(self, job_id: int, width: int = 1) -> Optional[tuple[int, int]]:
+        return self.launcher.last_checkpoint(job_id, width)
 
     def reap(self) -> None:
         self.launcher.reap()

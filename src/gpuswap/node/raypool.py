@@ -126,8 +126,8 @@ class RayNode(Node):
     def live_runs(self) -> list[tuple[int, int]]:
         return self._call("live_runs")
 
-    def last_checkpoint(self, job_id: int) -> Optional[tuple[int, int]]:
-        found = self._call("last_checkpoint", job_id)
+    def last_checkpoint(self, job_id: int, width: int = 1) -> Optional[tuple[int, int]]:
+        found = self._call("last_checkpoint", job_id, width)
         return None if found is None else (int(found[0]), int(found[1]))
 
     def forget(self, job_id: int) -> bool:
