@@ -17,18 +17,19 @@ from typing import Callable, Iterable, Optional
 from gpuswap import policy
 from gpuswap.jobs import JobState, format_size
 from gpuswap.lifecycle import STARTED, EventKind as K, NewEvent
-from gpuswap.node import observe, residue, snapshot, workdirs
+from gpuswap.node import observe, residue, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.nodebandwidths import NodeBandwidths
 from gpuswap.node.freezer import (ATTACH_GRACE_S, awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
 from gpuswap.node.cuda_ckpt import Capability
 from gpuswap.node.launcher import Launcher
-from gpuswap.node.pool import Layout, Node, Pool
+from gpuswap.node.placement import Placement, on_disk
+from gpuswap.node.pool import Node, Pool
 from gpuswap.node.strays import StrayCheck
 from gpuswap.node.store import JobRecord, Store
 from gpuswap.node.transition import Applier
-from gpuswap.policy.model import Decision, JobView, Pause, PolicyConfig, Resume, Spill, Start, Wait
+from gpuswap.policy.model import Decision, Pause, PolicyConfig, Resume, Spill, Start, Wait
 from gpuswap.policy.classes import class_gpu_s
 from gpuswap.protocol.rundir import Desired
 
@@ -70,7 +71,7 @@ class Controller:
         self.node_bandwidths = node_bandwidths     # a pool's: each node's own figures (None: one machine)
         self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
         self.applier = Applier(store, bandwidths, launcher.ckpt_dir, node_bandwidths)
-        self.layout = Layout()
+        self.placement = Placement(pool)    # where jobs are and may go, in the policy's GPU ids
         self.usage = store.load_usage()
         self.class_usage = store.load_class_usage()     # for the class budgets (policy/classes.py)
         self._wake = threading.Event()
@@ -79,13 +80,11 @@ class Controller:
         self._accrued: dict[int, list[float]] = {}
         self._last_flush = 0.0
         self._live: dict[int, JobRecord] = {}
-        self._views: dict[int, tuple[int, tuple[str, ...], tuple[str, ...], JobView]] = {}
         self._seen_version = 0
         self._faults: dict[tuple[int, str], str] = {}   # (job id, step) -> the failure last reported
         # Why each waiting job waits, from the policy's last round (replaced whole each tick, so
         # API threads read one consistent dict), and the key of the reason last written as an event.
         self.waits: dict[int, Wait] = {}
-        self.reaches: dict[int, workdirs.Reach] = {}    # in a pool, where each waiting job's directory is
         self._told: dict[int, tuple] = {}
         self._explained_at = float("-inf")
         self.strays = StrayCheck(pool, store.get)
@@ -133,14 +132,8 @@ class Controller:
         live = self._refresh()
         jobs = sorted(live.values(), key=lambda j: j.id)
         pool_gpus = self.pool.gpus()
-        layout = Layout.of(pool_gpus)
-        if layout != self.layout:
-            self._views.clear()          # the GPU ids the views name follow the layout
-            self.layout = layout
-        waiting = [j for j in jobs if snapshot.schedulable(j)]
-        reaches = {j.id: self._workdir_reach(j) for j in waiting}
-        views = [v for v in (self._view(j, reaches[j.id]) for j in waiting) if v is not None]
-        self.reaches = reaches
+        layout = self.placement.relayout(pool_gpus)
+        views = self.placement.views([j for j in jobs if snapshot.schedulable(j)])
         seen = {int(v.id) for v in views}
         kept = (residue.outside_snapshot(jobs, seen) if self.pool.single    # e.g. a user's RAM pause
                 else snapshot.kept_in_pool(jobs, seen, layout))
@@ -161,8 +154,8 @@ class Controller:
         if unexplained or since >= min(EXPLAIN_S, EXPLAIN_SHARE * self._explain_took):
             started = time.monotonic()
             try:
-                nowhere = {str(i): r.wait for i, r in reaches.items() if r.wait is not None}
-                self._explain(live, {**policy.decide_explained(snap, self.config.policy)[1], **nowhere}, now)
+                self._explain(live, {**policy.decide_explained(snap, self.config.policy)[1],
+                                     **self.placement.nowhere()}, now)
             except Exception:   # a reason that cannot be recorded (a full disk) must not stop the moves below
                 log.exception("could not record why jobs wait")
             self._explained_at = time.monotonic()
@@ -182,7 +175,7 @@ class Controller:
             if job.node not in lost:
                 continue
             reach = self.pool.disk_nodes(job.node)
-            if _on_disk(job) and reach:
+            if on_disk(job) and reach:
                 continue         # its checkpoint is on storage other nodes reach: it resumes there
             self._settle(job.id)
             self._isolated(job, now, "to end it (its node is lost)", self._lose, job, reach, lost[job.node], now)
@@ -247,7 +240,7 @@ class Controller:
             return self.pool.node_of(job)
         if job.node is None:
             return None
-        if _on_disk(job) and job.node not in self.pool.nodes():
+        if on_disk(job) and job.node not in self.pool.nodes():
             # Parked to disk on a node that left: any node reaching its checkpoint acts for it
             # (dropping the checkpoint when it is cancelled); it has no process to observe.
             reach = self.pool.disk_nodes(job.node)
@@ -260,16 +253,12 @@ class Controller:
             return None
         if job.hold and not job.holds_gpu:
             return HELD
-        reach = self.reaches.get(job.id, workdirs.ANYWHERE)
-        if reach.wait is not None:
-            return reach.wait
-        w = self.waits.get(job.id)
-        return replace(w, text=w.text + reach.note) if w is not None and reach.note else w
+        return self.placement.wait_of(job, self.waits.get(job.id))
 
     def _explain(self, live: dict[int, JobRecord], waits: dict[str, Wait], now: float) -> None:
         """Keep the policy's reasons, and write one as an event when a job's reason changes in
         substance (its rule or who holds it, not a countdown), so the log says why it waited."""
-        kept = {int(k): w if self.pool.single else replace(w, text=self.layout.name_gpus(w.text))
+        kept = {int(k): replace(w, text=self.placement.name_gpus(w.text))
                 for k, w in waits.items()}
         for jid, w in kept.items():
             job = live.get(jid)
@@ -289,49 +278,15 @@ class Controller:
             self._seen_version = max(self._seen_version, rec.version)
             if rec.state.terminal:
                 self._live.pop(rec.id, None)
-                self._views.pop(rec.id, None)
+                self.placement.forget(rec.id)
             else:
                 self._live[rec.id] = rec
         return self._live
-
-    def _view(self, job: JobRecord, where: workdirs.Reach) -> Optional[JobView]:
-        """The policy's view of a job, its GPUs named by their ids in the pool; None for a job on
-        a node that is not in the pool now (out of the snapshot: nothing is placed on its GPUs,
-        which are not in it either, until its node answers again), or for a waiting job whose
-        working directory no node can enter now (`where`: node/workdirs.py)."""
-        if where.wait is not None:
-            return None
-        reach = self._disk_nodes(job)
-        cached = self._views.get(job.id)
-        if cached is None or cached[:3] != (job.version, reach, where.nodes):
-            if (not self.pool.single and job.node is not None and job.node not in self.layout.offsets
-                    and not (_on_disk(job) and reach)):      # a disk checkpoint others reach goes on
-                return None
-            cached = self._views[job.id] = (job.version, reach, where.nodes, snapshot.job_view(
-                job, self._cap(job).available, self._cap(job).migration,
-                None if self.pool.single else self.layout, reach, where.nodes))
-        return cached[3]
-
-    def _workdir_reach(self, job: JobRecord) -> workdirs.Reach:
-        """In a pool, the nodes where a waiting job may start or resume by its working directory."""
-        if self.pool.single or job.state not in (JobState.PENDING, JobState.PAUSED):
-            return workdirs.ANYWHERE
-        return workdirs.reach(job, self.pool.workdirs(job.cwd, job.uid, job.gid), self.pool.nodes())
 
     @property
     def capability(self) -> Capability:
         """What can be parked transparently: this machine's; a pool's summary of its nodes'."""
         return self.pool.capability
-
-    def _cap(self, job: JobRecord) -> Capability:
-        """The transparent capability where the job runs or is parked: its node's in a pool."""
-        return self.pool.capability_of(job.node)
-
-    def _disk_nodes(self, job: JobRecord) -> tuple[str, ...]:
-        """In a pool, where a parked job's disk checkpoint is (or would be) reachable."""
-        if self.pool.single or job.node is None or job.state != JobState.PAUSED or job.parked not in ("ram", "disk"):
-            return ()
-        return self.pool.disk_nodes(job.node)
 
     # -- accounting -------------------------------------------------------------------------
     def _accrue(self, jobs: list[JobRecord], now: float) -> None:
@@ -378,7 +333,7 @@ class Controller:
                     self.store.update(job.id, now, event=NewEvent(K.PAUSE_DEFERRED, deferred_pause_text(tier),
                                                                   tier=tier, initiator="user"))
                 return
-            if tier not in tiers_for(job, self._cap(job).available):
+            if tier not in tiers_for(job, self.placement.cap(job).available):
                 self.store.update(job.id, now, hold=False, event=NewEvent(
                     K.PAUSE_REFUSED, f"pause to {tier} refused: this job cannot be parked there "
                                      f"({self._why_not(job)})", tier=tier, initiator="user"))
@@ -398,7 +353,7 @@ class Controller:
     def _freezable_now(self, job: JobRecord, tier: str) -> bool:
         """A RAM pause of a job not yet attached can be carried out by the driver right away if the
         job already has a CUDA process: frozen whole, it is parked correctly whatever it turns out to be."""
-        if tier != "ram" or mechanism_for(job, self._cap(job).available) != "transparent":
+        if tier != "ram" or mechanism_for(job, self.placement.cap(job).available) != "transparent":
             return False
         node = self._node(job)
         return node is not None and node.has_cuda_process(job)
@@ -406,21 +361,21 @@ class Controller:
     def _apply(self, d: Decision, job: JobRecord, now: float) -> None:
         detail = {k: getattr(d, k) for k in d.__dataclass_fields__ if k != "job_id"}
         if not self.pool.single:       # its reason names GPUs as people see them in a pool
-            d = replace(d, reason=self.layout.name_gpus(d.reason))
-        if isinstance(d, (Start, Resume)) and not self._may_enter(job, d.gpus):
+            d = replace(d, reason=self.placement.name_gpus(d.reason))
+        if isinstance(d, (Start, Resume)) and not self.placement.may_enter(job, d.gpus):
             return
         if isinstance(d, Start) and job.state == JobState.PENDING and not job.cancel_requested:
             gen = job.generation + 1
-            node, gpus = self._placed(d.gpus)
+            node, gpus = self.placement.placed(d.gpus)
             self.store.update(job.id, now, state=JobState.RUNNING, assigned=gpus, generation=gen,
                               last_start=now, desired="running", desired_tier=None, attached=False,
                               **({} if node is None else {"node": node}),
-                              event=NewEvent(K.STARTED, _with_reason(f"started on {self._where(node, gpus)}",
+                              event=NewEvent(K.STARTED, _with_reason(f"started on {self.placement.where(node, gpus)}",
                                                                      d.reason), initiator="policy"))
             self._launch(job if node is None else replace(job, node=node), gen, gpus)
-        elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self._cap(job).available):
+        elif isinstance(d, Pause) and job.state == JobState.RUNNING and d.tier in tiers_for(job, self.placement.cap(job).available):
             self._pause(job, d.tier, now, d.reason, by="policy")
-        elif isinstance(d, Resume) and job.state == JobState.PAUSED and self._on_its_node(job, d):
+        elif isinstance(d, Resume) and job.state == JobState.PAUSED and self.placement.on_its_node(job, d):
             self._resume(job, d, now)
         elif (isinstance(d, Spill) and job.state == JobState.PAUSED and job.parked == "ram"
               and job.desired_tier != "disk"):        # already spilling: the policy repeats itself
@@ -432,7 +387,7 @@ class Controller:
     def _pause(self, job: JobRecord, tier: str, now: float, reason: str, by: str) -> None:
         """Start parking `job`; `by` ('policy' or 'user') is recorded on the event, and only the
         policy's pauses count as preemptions."""
-        mech = mechanism_for(job, self._cap(job).available)
+        mech = mechanism_for(job, self.placement.cap(job).available)
         what = "freezing through the driver" if mech == "transparent" else f"pausing to {tier}"
         changes: dict = dict(state=JobState.PAUSING, mechanism=mech, desired_tier=tier, pause_requested_at=now,
                              ram_allowance=self._ram_room(job) if tier == "ram" else None)
@@ -472,58 +427,29 @@ class Controller:
         if job.transparent_refused:
             return job.transparent_refused
         if job.width > 1 or job.ram_refusal:      # the multi-rank rules: capability.py says why
-            why = job_parkability(job, self._cap(job).available).why_not
+            why = job_parkability(job, self.placement.cap(job).available).why_not
             if why:
                 return why
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
-        if mechanism_for(job, self._cap(job).available) == "transparent":
+        if mechanism_for(job, self.placement.cap(job).available) == "transparent":
             unattached = (f"no gpuswap runtime attached within {ATTACH_GRACE_S:g} s of its start, and "
                           if job.pause_mode == "auto" and not job.attached else "")
             return f"{unattached}a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
-        return f"pause mode {job.pause_mode}; {self._cap(job).reason}"
-
-    def _placed(self, gpus: tuple[int, ...]) -> tuple[Optional[str], list[int]]:
-        """The policy's GPU ids as (node, the node's own indices); node None on a single daemon."""
-        if self.pool.single:
-            return None, list(gpus)
-        where = [self.layout.to_node(g) for g in gpus]
-        nodes = {n for n, _ in where}
-        if len(nodes) != 1:
-            raise ValueError(f"GPUs {_gpus(gpus)} are on {len(nodes)} nodes; a job runs on one")
-        return nodes.pop(), [i for _, i in where]
-
-    def _where(self, node: Optional[str], gpus: list[int]) -> str:
-        """'GPU 0,1', or in a pool 'GPU node-b:0,node-b:1', as `gpuswap gpus` and `ls` name them."""
-        return f"GPU {_gpus(gpus)}" if node is None else "GPU " + ",".join(f"{node}:{g}" for g in gpus)
-
-    def _may_enter(self, job: JobRecord, gpus: tuple[int, ...]) -> bool:
-        """Whether the node of `gpus` is one where the job's working directory can be entered (the
-        policy places it so: JobView.allowed_nodes); a start anywhere else is not carried out."""
-        allowed = self.reaches.get(job.id, workdirs.ANYWHERE).nodes
-        return self.pool.single or not allowed or self._placed(gpus)[0] in allowed
-
-    def _on_its_node(self, job: JobRecord, d: Resume) -> bool:
-        """Whether a resume is where the job's parked state is: its node (RAM; a checkpoint on its
-        node's own disk), or any node reaching its disk checkpoint (shared storage, docs/ray.md).
-        The policy places it so (JobView.disk_nodes); anything else is not carried out."""
-        if self.pool.single or job.node is None:
-            return True
-        target = self._placed(d.gpus)[0]
-        return target == job.node or (_on_disk(job) and target in self.pool.disk_nodes(job.node))
+        return f"pause mode {job.pause_mode}; {self.placement.cap(job).reason}"
 
     def _resume(self, job: JobRecord, d: Resume, now: float) -> None:
         park = job.parked_state
         original = d.gpus                                                  # the pool's ids: which node
-        d = Resume(d.job_id, tuple(self._placed(d.gpus)[1]), d.reason)    # its node's own GPU indices
-        where = self._where(None if self.pool.single else job.node, list(d.gpus))
+        d = Resume(d.job_id, tuple(self.placement.placed(d.gpus)[1]), d.reason)    # its node's own GPU indices
+        where = self.placement.where(None if self.pool.single else job.node, list(d.gpus))
         if park is None and job.stopped:     # the SIGSTOP fallback: nothing was moved
             self.store.update(job.id, now, state=JobState.RUNNING, stopped=False, last_start=now,
                               event=NewEvent(K.CONTINUED, _with_reason("continued (SIGCONT)", d.reason),
                                              initiator="policy"))
         elif park is not None and park.tier == "ram":
             movable = park.mechanism == "transparent"
-            pinned = park.home_gpus and not (movable and self._cap(job).migration)
+            pinned = park.home_gpus and not (movable and self.placement.cap(job).migration)
             if pinned and sorted(d.gpus) != sorted(park.home_gpus):
                 return   # its CUDA context lives on its home GPUs; wait for those
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
@@ -533,9 +459,9 @@ class Controller:
                                   tier="ram", mechanism=park.mechanism, initiator="policy"))
         elif park is not None and park.tier == "disk":
             gen = job.generation + 1
-            node = job.node if self.pool.single else self._placed(original)[0]
+            node = job.node if self.pool.single else self.placement.placed(original)[0]
             moved = "" if node == job.node else f" (moved from {job.node}: its checkpoint is on storage both reach)"
-            where = self._where(None if self.pool.single else node, list(d.gpus))
+            where = self.placement.where(None if self.pool.single else node, list(d.gpus))
             self.store.update(job.id, now, state=JobState.RESUMING, desired="running", desired_tier=None,
                               assigned=list(d.gpus), generation=gen, attached=False,
                               **({} if node == job.node else {"node": node}), event=NewEvent(
@@ -560,14 +486,6 @@ class Controller:
         node.set_desired(job.id, job.generation, Desired(
             run=job.desired, tier=job.desired_tier, sigstop=job.stopped,
             cancel=job.cancel_requested, max_bytes=job.ram_allowance))
-
-
-def _on_disk(job: JobRecord) -> bool:
-    return job.state == JobState.PAUSED and job.parked == "disk"
-
-
-def _gpus(gpus: tuple[int, ...] | list[int]) -> str:
-    return ",".join(str(g) for g in gpus)
 
 
 def _with_reason(what: str, reason: str) -> str:
