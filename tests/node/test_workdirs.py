@@ -42,12 +42,14 @@ def test_answers_are_made_off_the_caller_kept_and_asked_again_when_due(tmp_path:
         return cwd_problem(cwd if node == "a" else str(gone), uid, gid)
 
     clock = Clock()
-    checks = WorkdirChecks(check, clock)
+    told = threading.Semaphore(0)
+    checks = WorkdirChecks(check, clock, on_answer=told.release)
     assert checks.answers(["a", "b"], str(tmp_path), 0, 0).keys() <= {"a", "b"}   # never waits
     got = _settled(checks, ["a", "b", "dead"], str(tmp_path))
     assert got["a"] is None
     assert "does not exist" in got["b"]
     assert got["dead"] == "its working directory could not be checked on dead (agent did not answer)"
+    assert all(told.acquire(timeout=0) for _ in range(3))       # each new answer woke the controller
     n = len(calls)
     clock.now = RETRY_S + 1                    # the node that did not answer is asked again, not the others
     _settled(checks, ["a", "b", "dead"], str(tmp_path))
@@ -81,10 +83,15 @@ def test_reach_names_where_a_waiting_job_may_go_and_why_not_elsewhere():
     r = reach(pending, {"a": None, "b": "working directory '/scratch/u' does not exist"}, ["a", "b", "c"])
     assert r.nodes == ("a",) and r.wait is None
     assert r.note == "; not on b: working directory '/scratch/u' does not exist; c: not checked there yet"
-    nowhere = reach(pending, {"a": "no such directory"}, ["a", "b"])
+    nowhere = reach(pending, {"a": "no such directory", "b": "Permission denied"}, ["a", "b"])
     assert nowhere.nodes == () and nowhere.wait is not None and nowhere.wait.code == "Workdir"
+    assert not nowhere.checking
     assert nowhere.wait.text == ("its working directory /scratch/u cannot be entered as its user on any node of "
-                                 "the pool now (a: no such directory; b: not checked there yet)")
+                                 "the pool now (a: no such directory; b: Permission denied)")
+    # No node has said yes, and one has not answered yet: it waits for that answer (a new directory).
+    checking = reach(pending, {"a": "no such directory"}, ["a", "b"])
+    assert checking.nodes == () and checking.checking
+    assert checking.wait.text == "its working directory /scratch/u is being checked on b"
     # A RAM-parked job keeps its node: its process is there, inside the directory already.
     in_ram = reach(_record(JobState.PAUSED, parked="ram", node="a"), {"a": "gone", "b": None}, ["a", "b"])
     assert in_ram.nodes == ("a", "b")

@@ -72,6 +72,7 @@ class Controller:
         self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
         self.applier = Applier(store, bandwidths, launcher.ckpt_dir, node_bandwidths)
         self.placement = Placement(pool)    # where jobs are and may go, in the policy's GPU ids
+        pool.notify = self.wake
         self.usage = store.load_usage()
         self.class_usage = store.load_class_usage()     # for the class budgets (policy/classes.py)
         self._wake = threading.Event()

@@ -50,7 +50,7 @@ class Placement:
 
     def nowhere(self) -> dict[str, Wait]:
         """The waiting jobs no node can take by their working directory, each with why."""
-        return {str(i): r.wait for i, r in self.reaches.items() if r.wait is not None}
+        return {str(i): r.wait for i, r in self.reaches.items() if r.wait is not None and not r.checking}
 
     def wait_of(self, job: JobRecord, policy_wait: Optional[Wait]) -> Optional[Wait]:
         """Why a waiting job waits: the policy's reason, with the nodes its directory ruled out."""

@@ -231,6 +231,7 @@ class Pool:
         self._capability = capability
         self.single = single
         self.last: dict[str, list[GpuInfo]] = {}     # what gpus() found last (the API lists it)
+        self.notify: Callable[[], None] = lambda: None   # something changed off the tick (the controller's wake)
 
     @property
     def capability(self) -> Capability:

@@ -175,7 +175,7 @@ class RayPool(Pool):
         self._alive: set[str] = set()            # Ray's alive node ids at the last look
         self._missing: dict[str, float] = {}     # node name -> since when no alive node answers to it
         self._storage: dict[str, str] = {}       # node name -> its shared checkpoint storage's id, once seen
-        self._workdirs = WorkdirChecks(self._check_workdir)
+        self._workdirs = WorkdirChecks(self._check_workdir, on_answer=lambda: self.notify())
         self.ram_budget_set = ram_budget          # --ram-budget: the same on every node; None: half of each one's
         self.refresh()
 

@@ -43,8 +43,9 @@ class WorkdirChecks:
     """Answers of `check(node, cwd, uid, gid)` (None: the user can enter it there; else why not),
     made in the background and kept; `answers` never waits for one."""
 
-    def __init__(self, check: Check, clock: Callable[[], float] = time.monotonic, workers: int = WORKERS):
-        self._check, self._clock = check, clock
+    def __init__(self, check: Check, clock: Callable[[], float] = time.monotonic, workers: int = WORKERS,
+                 on_answer: Callable[[], None] = lambda: None):
+        self._check, self._clock, self._on_answer = check, clock, on_answer
         self._lock = threading.Lock()
         self._known: dict[Key, tuple[Optional[str], float]] = {}    # key -> (answer, when to ask again)
         self._asked: dict[Key, float] = {}                           # key -> when last read
@@ -85,8 +86,11 @@ class WorkdirChecks:
             first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             answer, again = f"its working directory could not be checked on {node} ({first})", RETRY_S
         with self._lock:
+            changed = self._known.get(key, (NOT_CHECKED,))[0] != answer
             self._known[key] = (answer, self._clock() + again)
             self._running.discard(key)
+        if changed:
+            self._on_answer()       # the controller's next tick places the job without waiting for its timer
 
     def _prune(self, now: float) -> None:
         """Drop answers nobody asked for in FORGET_S, and the oldest asked past MAX_KNOWN."""
@@ -107,10 +111,12 @@ class WorkdirChecks:
 class Reach:
     """Where a waiting job may start or resume, by its working directory: `nodes` (empty: no limit,
     one machine), and `wait` when that is nowhere now (it stays out of the round), or `note` naming
-    the nodes left out and why (added to the round's own reason)."""
+    the nodes left out and why (added to the round's own reason). `checking`: nowhere only because
+    no node has answered yet (a new directory: within a tick or two; not worth an event)."""
     nodes: tuple[str, ...] = ()
     wait: Optional[Wait] = None
     note: str = ""
+    checking: bool = False
 
 
 ANYWHERE = Reach()
@@ -126,6 +132,10 @@ def reach(job: JobRecord, answers: Optional[Mapping[str, Optional[str]]], pool_n
         ok.add(job.node)            # its process is there, inside the directory already
     left_out = {n: answers.get(n, NOT_CHECKED) for n in sorted(pool_nodes) if n not in ok}
     why = "; ".join(f"{n}: {p}" for n, p in left_out.items())
+    unchecked = [n for n, p in left_out.items() if p == NOT_CHECKED]
+    if not ok and unchecked:
+        return Reach((), Wait(str(job.id), CODE, f"its working directory {job.cwd} is being checked on "
+                                                  f"{', '.join(unchecked)}"), checking=True)
     if not ok:
         return Reach((), Wait(str(job.id), CODE, f"its working directory {job.cwd} cannot be entered as its "
                                                   f"user on any node of the pool now ({why})"))
