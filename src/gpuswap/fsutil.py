@@ -1,5 +1,6 @@
 """Atomic small-file writes (temp file in the same directory, fsync, rename, fsync the directory)
-and files and directories made with exactly the mode and owner asked, whatever the umask.
+and files and directories made with exactly the mode and owner asked, whatever the umask; and
+bounded reads of small files someone else may have planted.
 
 A reader sees the old content or the new, never a torn file, whatever instant a process dies.
 Modes are set with fchmod/chmod after creation: the umask only ever removes bits, and a mode
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -67,6 +69,39 @@ def read_json(path: Path | str) -> Any:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
+
+
+def read_small(name: Path | str, limit: int, dir_fd: int | None = None) -> bytes:
+    """The bytes of `name`, which must be a regular file of at most `limit` bytes; OSError says
+    why not. For files whose owner is not to be trusted to have made them well (a job's checkpoint
+    directory is the job owner's to fill, by hand or by accident): a link is never followed
+    (O_NOFOLLOW: not to /dev/zero, not to someone else's file), a FIFO or device never waited on
+    (O_NONBLOCK, then only a regular file is read), and no more than `limit` + 1 bytes are read,
+    whatever the file's size says or becomes."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{os.fspath(name)} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise OSError(f"{os.fspath(name)} is larger than {limit} bytes")
+    return b"".join(chunks)
+
+
+def read_small_json(name: Path | str, limit: int, dir_fd: int | None = None) -> Any:
+    """`read_small`'s file as JSON. OSError: unreadable (see `read_small`); ValueError: not JSON,
+    not UTF-8, or nested too deep to parse (json raises RecursionError for that, which a caller
+    catching parse errors would not expect)."""
+    raw = read_small(name, limit, dir_fd)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
 
 
 def make_dir(path: Path | str, mode: int, uid: int = -1, gid: int = -1) -> None:

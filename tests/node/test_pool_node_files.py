@@ -18,6 +18,7 @@ import pytest
 from gpuswap.node.agent import shared_storage_id
 from gpuswap.node.launcher import Launcher
 from gpuswap.protocol import rundir
+from gpuswap.runtime import checkpoint as ckpt_format
 from gpuswap.runtime import ckparts
 from gpuswap_testing import ensure_user
 
@@ -46,7 +47,9 @@ def test_the_last_checkpoint_is_read_without_trusting_the_owners_files(base):
     (d / "ckpt-000004.json").symlink_to("/etc/passwd")  # someone else's file
     manifest(d, 5, step="10", bytes=1)                  # not numbers
     manifest(d, 6, step=10, bytes=-1)
-    (d / "ckpt-000008.json").write_bytes(b"{" + b" " * 70_000 + b"}")   # too large to be one
+    manifest(d, 8, step=80, bytes=1)
+    with open(d / "ckpt-000008.json", "ab") as f:                   # too large to be one, though
+        f.write(b" " * ckpt_format.MAX_MANIFEST_BYTES)             # a manifest's JSON
     manifest(d, 9, step=50, bytes=1, format="gpuswap-ckpt/2")          # a multi-rank job's parts
     done: list[object] = []
     t = threading.Thread(target=lambda: done.append(launcher.last_checkpoint(7)), daemon=True)
@@ -129,11 +132,21 @@ def test_a_multi_rank_checkpoint_counts_only_with_every_ranks_part_committed(bas
     t.start()
     t.join(60)
     assert done == [(12, 500)]
-    # A newer commit of both parts is the one: the step its manifest names, the bytes of both.
-    for name in ("ckpt-000022.json", "ckpt-000024.json"):    # the runtime's own prune would wait on the
-        (d / name).unlink()                                  # FIFO, and not parse the other
+    # A newer commit of both parts is the one: the step its manifest names, the bytes of both (and
+    # its prune, in the job's process, neither waits on the FIFO nor fails on the deep JSON).
     ckparts.write_manifest(d, [part(d, 26, 0, 64), part(d, 26, 1, 32)], step=260, tick=None, world_size=2)
     assert launcher.last_checkpoint(7, width=2) == (260, 96)
+
+
+def test_a_wide_jobs_manifest_is_not_too_large_to_count(base):
+    """A 1024-rank job's manifest (the widest a job may be) is ~170 KB: still a manifest."""
+    launcher = Launcher(base / "home", simulated=True, pause_timeout_s=10, ckpt_root=base / "shared")
+    d = launcher.ckpt_dir(7)
+    d.mkdir(parents=True)
+    world = ckparts.MAX_WORLD
+    ckparts.write_manifest(d, [part(d, 1, r, 1) for r in range(world)], step=5, tick=5, world_size=world)
+    assert (d / "ckpt-000001.json").stat().st_size > 100_000
+    assert launcher.last_checkpoint(7, width=world) == (5, world)
 
 
 def test_forgetting_a_job_deletes_its_directory_and_its_shared_checkpoints(base):

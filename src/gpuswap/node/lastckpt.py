@@ -5,7 +5,7 @@ The manifests and parts are the job owner's files, in a directory they own. Whoe
 plant a link to someone else's file, a FIFO that would block its reader for ever, a file too large
 to be a manifest, JSON nested too deep to parse, or numbers of the wrong type or size. So a
 manifest is opened without following a link or waiting (O_NOFOLLOW, O_NONBLOCK) and read only if
-a small regular file; every number it gives is an int within bounds; a part is only lstat'ed.
+a small regular file (`fsutil.read_small`, with the runtime's own bound); every number it gives is an int within bounds; a part is only lstat'ed.
 Nothing more is verified here: the job's own restore checks every payload's sha256 and falls back
 past a bad one (runtime/checkpoint.py, runtime/ckparts.py), as after any park to disk.
 
@@ -22,17 +22,16 @@ process group, as its runtime reported them):
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
 from typing import Any, Optional, Union
 
+from gpuswap import fsutil
 from gpuswap.runtime import ckparts
-from gpuswap.runtime.checkpoint import FORMAT_PARTS, CheckpointError
+from gpuswap.runtime.checkpoint import FORMAT_PARTS, MAX_MANIFEST_BYTES, CheckpointError
 
 MANIFEST = re.compile(r"^ckpt-(\d{1,12})\.json$")
-MAX_MANIFEST_BYTES = 64 * 1024
 LIMIT = 2**62           # a step, a size: anything larger is not a checkpoint's
 
 
@@ -46,7 +45,10 @@ def last_checkpoint(directory: Union[str, os.PathLike], width: int = 1) -> Optio
     try:
         names = sorted(((int(m.group(1)), n) for n in os.listdir(dfd) if (m := MANIFEST.match(n))), reverse=True)
         for _, name in names:
-            data = _json(small_file(name, dfd))
+            try:
+                data = fsutil.read_small_json(name, MAX_MANIFEST_BYTES, dfd)
+            except (OSError, ValueError):      # a link, a FIFO, too large, not JSON: not a manifest
+                continue
             found = _single(data) if width == 1 else _parts(data, name, width, dfd)
             if found is not None:
                 return found
@@ -92,29 +94,3 @@ def _parts(data: Any, name: str, width: int, dfd: int) -> Optional[tuple[int, in
 
 def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value < LIMIT
-
-
-def _json(raw: Optional[bytes]) -> Any:
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):       # not JSON, not UTF-8, or nested too deep to parse
-        return None
-
-
-def small_file(name: str, dir_fd: int) -> Optional[bytes]:
-    """A small regular file's bytes, or None: never a link, a FIFO or a device."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-            return None
-        return os.read(fd, MAX_MANIFEST_BYTES + 1)[:MAX_MANIFEST_BYTES]
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

@@ -15,6 +15,13 @@ streaming), fsync, rename; manifest the same way; fsync the directory. A crash a
 the previous complete checkpoint untouched, and readers only trust a payload whose manifest exists
 and whose bytes hash to the manifest's sha256. The two newest complete checkpoints are kept so a
 newest one that later turns out corrupt falls back to the previous one.
+
+The directory is the job owner's, and this code runs inside their training process: whatever
+else lies there under a checkpoint's name (a FIFO, a directory, a link to /dev/zero, a huge file,
+JSON nested too deep to parse, numbers of the wrong type) must neither hang nor crash training.
+Manifests are read with `fsutil.read_small` (no link followed, no FIFO waited on, at most
+MAX_MANIFEST_BYTES): such a file is not a manifest, is reported as unreadable by a restore, and
+is pruned as debris (a directory excepted: left alone).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import json
 import os
 import re
 import socket
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +45,7 @@ FORMAT_PARTS = "gpuswap-ckpt/2"   # multi-rank: one part per rank (runtime/ckpar
 KEEP = 2
 _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
 _CHUNK = 8 << 20
+MAX_MANIFEST_BYTES = 1 << 20      # a 1024-rank gpuswap-ckpt/2 manifest is ~170 KB
 
 
 class CheckpointError(Exception):
@@ -115,15 +124,14 @@ def list_checkpoints(directory: str | os.PathLike, unreadable: list[str] | None 
         if not _MANIFEST.match(entry.name):
             continue
         try:
-            raw = json.loads(entry.read_text())
+            raw = fsutil.read_small_json(entry, MAX_MANIFEST_BYTES)
             if isinstance(raw, dict) and raw.get("format") == FORMAT_PARTS:
                 # a multi-rank checkpoint (runtime/ckparts.py): never this single-rank job's
                 if unreadable is not None:
                     unreadable.append(f"seq {raw.get('seq')} (step {raw.get('step')}): checkpoint "
                                       f"written by {raw.get('world_size')} ranks, the job now has 1")
                 continue
-            known = {k: raw[k] for k in CheckpointInfo.__dataclass_fields__ if k in raw}
-            info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
+            info = _info(raw)
         except (OSError, ValueError, TypeError) as exc:
             _warn(f"ignoring unreadable checkpoint manifest {entry}: {exc}")
             if unreadable is not None:
@@ -132,6 +140,20 @@ def list_checkpoints(directory: str | os.PathLike, unreadable: list[str] | None 
         found.append(info)
     found.sort(key=lambda i: i.seq, reverse=True)
     return found
+
+
+def _info(raw: Any) -> CheckpointInfo:
+    """A format-1 manifest's JSON as a CheckpointInfo; TypeError or ValueError if malformed: the
+    numbers are sorted and compared later, and the payload is a file of this directory."""
+    if not isinstance(raw, dict):
+        raise TypeError("manifest is not a JSON object")
+    known = {k: raw[k] for k in CheckpointInfo.__dataclass_fields__ if k in raw}
+    info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
+    if (not all(type(v) is int for v in (info.seq, info.step, info.bytes))
+            or not isinstance(info.payload, str) or not re.fullmatch(r"ckpt-\d+\.pt", info.payload)
+            or not isinstance(info.sha256, str)):
+        raise ValueError("manifest has a field of the wrong type or a payload that is no checkpoint file")
+    return info
 
 
 def _next_seq(d: Path) -> int:
@@ -165,15 +187,26 @@ def write_checkpoint(
 def _remove_stale_temps(d: Path) -> None:
     for e in d.iterdir():
         if fsutil.is_temp(e.name) or e.name.startswith(".tmp-"):    # .tmp-*: releases before 0.1.0's end
-            e.unlink(missing_ok=True)
+            _unlink(e)
+
+
+def _unlink(e: Path) -> None:
+    """Remove a file of ours; a directory under such a name is not ours to remove (nor a reason
+    to crash training)."""
+    try:
+        e.unlink(missing_ok=True)
+    except IsADirectoryError:
+        pass
 
 
 def _manifest_files(raw: Any) -> tuple[int, list[str]] | None:
-    """(seq, data files) a manifest of either format names; None if it names none usable."""
-    if not isinstance(raw, dict):
+    """(seq, data files) a manifest of either format names; None if it names none usable. Its
+    seq must be an int, as every writer writes it: a "3" or 1e999 is nobody's commit, and
+    counting it would prune a real checkpoint in its place."""
+    if not isinstance(raw, dict) or type(raw.get("seq")) is not int:
         return None
     try:
-        seq = int(raw["seq"])
+        seq = raw["seq"]
         if raw.get("format") == FORMAT_PARTS:
             files = [str(p["file"]) for p in raw["parts"]]
         else:
@@ -192,7 +225,7 @@ def _prune(d: Path, keep: int) -> None:
     for e in d.iterdir():
         if _MANIFEST.match(e.name):
             try:
-                named = _manifest_files(json.loads(e.read_text()))
+                named = _manifest_files(fsutil.read_small_json(e, MAX_MANIFEST_BYTES))
             except (OSError, ValueError):
                 named = None
             if named is not None and e.name == f"ckpt-{named[0]:06d}.json":
@@ -205,20 +238,23 @@ def _prune(d: Path, keep: int) -> None:
     for e in sorted(d.iterdir(), key=lambda e: not e.name.endswith(".json")):
         m = re.match(r"^ckpt-(\d+)\.(pt|json|r\d+\.pt)$", e.name)
         if m and e.name not in live and int(m.group(1)) <= newest:
-            e.unlink(missing_ok=True)
+            _unlink(e)
 
 
 def verify(directory: str | os.PathLike, info: CheckpointInfo) -> Path:
     """Check the payload's size and sha256 against the manifest; return its path."""
     path = Path(directory) / info.payload
-    try:
-        size = path.stat().st_size
+    try:   # O_NONBLOCK: a FIFO under the payload's name is refused below, never waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise CheckpointError(f"payload {path} missing: {exc}") from None
-    if size != info.bytes:
-        raise CheckpointError(f"payload {path} has {size} bytes, manifest says {info.bytes}")
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):    # a device's size says nothing of what it reads
+            raise CheckpointError(f"payload {path} is not a regular file")
+        if st.st_size != info.bytes:
+            raise CheckpointError(f"payload {path} has {st.st_size} bytes, manifest says {info.bytes}")
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
     if sha.hexdigest() != info.sha256:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from gpuswap import fsutil
 from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
 from gpuswap.runtime import checkpoint
 from gpuswap.runtime.checkpoint import CheckpointError, NoUsableCheckpoint
@@ -192,7 +193,7 @@ def read_manifest(raw: Mapping[str, Any]) -> ManifestInfo:
         return ManifestInfo(seq=seq, step=int(raw["step"]), tick=None if tick is None else int(tick),
                             world_size=world, parts=parts, created_unix=float(raw.get("created_unix") or 0),
                             job_id=raw.get("job_id"), host=raw.get("host"))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:   # OverflowError: int(1e999)
         raise CheckpointError(f"malformed {FORMAT} manifest: {exc}") from None
 
 
@@ -248,8 +249,8 @@ def choose(directory: str | os.PathLike | None, rank: int, world_size: int,
     for seq, entry in manifests:
         raw: Any = None
         try:
-            try:
-                raw = json.loads(entry.read_text())
+            try:   # bounded, no link followed, no FIFO waited on: see runtime/checkpoint.py
+                raw = fsutil.read_small_json(entry, checkpoint.MAX_MANIFEST_BYTES)
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"manifest {entry.name} is unreadable ({exc})") from None
             info, own, shared = _try(d, raw, entry.name, rank, world_size)
