@@ -116,7 +116,10 @@ def test_scancel_is_not_turned_into_a_requeue(slurm, tmp_path: Path) -> None:
     _wait_output(log, f"step 30/{STEPS}", timeout=120)
     subprocess.run(["scancel", job], env=slurm.env, check=True)
     text = _wait_output(log, "not requeueing it", timeout=30)
-    time.sleep(3)  # a wrongly requeued job would be PENDING/RUNNING again by now
+    # Until the job has ended on the node Slurm shows it COMPLETING (not CANCELLED): while any
+    # process of it is alive to call `scontrol requeue`, and until the batch script's exit is
+    # recorded (75, which RequeueExit=75 would requeue: the requeue happens right there). So once
+    # it is CANCELLED with that exit recorded, a wrong requeue would already show (PENDING, a restart).
     info = slurm.wait_state(job, ("CANCELLED",), timeout=30)
-    assert info["Restarts"] == "0", (info, text)
+    assert info["ExitCode"] == "75:0" and info["Restarts"] == "0", (info, text)
     assert "got SIGTERM from Slurm" in text
