@@ -135,10 +135,10 @@ class _Round:
             lw = self._level_if_may_preempt(w, key)
             if lw is None:
                 if self.why is not None or cl.special:    # else no job behind it can be served
-                    self._wait(w, self._level(w, key), need)   # this round: nothing to reserve against
+                    self._wait(w, key, self._level(w, key), need)   # this round: nothing to reserve against
                 return True
             if not self._preempt(w, key, lw, need):
-                self._wait(w, lw, need)
+                self._wait(w, key, lw, need)
             return False
         nodes = cl.candidate_nodes(w)
         free, pending = cl.pools_for(w)     # the GPUs w fits on beside any residue (usually all)
@@ -185,7 +185,7 @@ class _Round:
                 return False
         lw = self._level_if_may_preempt(w, key)
         if lw is None or not self._preempt(w, key, lw, need):
-            self._wait(w, lw if lw is not None else self._level(w, key), need)
+            self._wait(w, key, lw if lw is not None else self._level(w, key), need)
         return False
 
     def _preempt(self, w: JobView, key: tuple, lw: tuple, need: int) -> bool:
@@ -207,9 +207,9 @@ class _Round:
             self._explain_pausing(w, chosen)
         return True
 
-    def _wait(self, w: JobView, lw: Optional[tuple], need: int) -> None:
+    def _wait(self, w: JobView, key: tuple, lw: Optional[tuple], need: int) -> None:
         """`w` gets no GPU this round: it takes a reservation if it has waited long enough."""
-        if not self.reservations.take(w, lw, need, self.pre) and self.why is not None:
+        if not self.reservations.take(w, key, lw, need, self.pre) and self.why is not None:
             self.why.blocked(w, lw, self.out)
 
     def _serve_pinned(self, w: JobView, key: tuple) -> None:

@@ -29,19 +29,31 @@ class Reservations:
         self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
+        self._lapse_memo: dict[tuple, tuple[list, int, int]] = {}   # (node, level) -> (lapses, as of touched, of gone)
         self._seen = 0
         # Per node, its running jobs' (order key, GPUs held, id), built once per round on the
         # first fallback (`_behind_node`): each use then reads one node's few jobs, not them all.
         self._held_on: Optional[dict[str, list[tuple[tuple, int, str]]]] = None
+        # Per node, the fewest GPUs a job asked for there and found no reservation: a later job
+        # of as many GPUs or more finds none there either, so only the other nodes are tried.
+        # Along a round every input of a node's answer only shrinks: jobs come in order, so a
+        # later one's level is no lower (fewer holders above it to pause, `_lapses`, less those
+        # taken) and its order key is higher (fewer holders rank behind it, `_behind_node`);
+        # free and pending GPUs are only taken, and more GPUs are no easier to find. (Not kept
+        # while a GPU keeps a residue: then the GPUs a job fits on depend on the job.) On the
+        # Philly trace ~99% of the jobs asking were wide jobs parked in RAM on a full node.
+        self._none_on: dict[str, int] = {}
+        self._none_anywhere = float("inf")          # the same, for every node at once
 
-    def take(self, w: JobView, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
+    def take(self, w: JobView, key: tuple, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
         """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
         its phase, hold for it, on the node that can free its GPUs soonest (`_readiness`), the free
         and coming-free GPUs it needs there, and let no job behind it in the order pause anyone on
         that node; the node's other free GPUs stay open to backfill. One reservation per node; the
         job's own victims there are paused by the usual rules (its level, protection, switch cap,
         benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
-        it can lose GPUs to narrower jobs behind it. `pre`: the round's preemption, if built yet.
+        it can lose GPUs to narrower jobs behind it. `key`: its order key; `pre`: the round's
+        preemption, if built yet.
         Whether it reserved."""
         after = self.snap.config.reserve_after_s
         if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
@@ -51,25 +63,23 @@ class Reservations:
         cl = self.cl
         if len(self.reserved) == len(cl.nodes):
             return False
-        if self._capacity is None:
-            self._capacity = {}
-            for g in self.snap.gpus:
-                if g.healthy:
-                    self._capacity[g.node] = self._capacity.get(g.node, 0) + 1
-        nodes = [n for n in cl.candidate_nodes(w) if n not in self.reserved and self._capacity.get(n, 0) >= need]
-        if not nodes:
-            return False
-        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need, pre))
-        if self._ready_memo(w, lw, node, need, pre)[0] == float("inf"):
-            # No node can free its GPUs by preemption alone. Reserve only where the jobs holding
-            # the rest rank behind it in the order (narrower, later or lower jobs, e.g. one that
-            # may not be paused): they end in time, and what frees must not go to jobs behind it.
-            # Where its GPUs are held by jobs that rank ahead of it, holding GPUs for it would
-            # only idle them while it waits its turn: such reservations were 99.6% of those made
-            # on a Philly window and cost 24% of the full trace's average JCT (simulator.md).
-            node = self._behind_node(w, lw, nodes, need, pre)
-            if node is None:
+        nodes = cl.candidate_nodes(w)
+        anywhere = nodes is cl.nodes
+        none_on = self._none_on if not cl.residue else {}
+        if none_on:
+            if anywhere and need >= self._none_anywhere:
                 return False
+            nodes = [n for n in nodes if need < none_on.get(n, need + 1)]
+            if not nodes:
+                return False
+        node = self._choose(w, key, lw, need, pre, nodes)
+        if node is None:
+            if not cl.residue:
+                for n in nodes:
+                    none_on[n] = min(need, none_on.get(n, need))
+                if anywhere:
+                    self._none_anywhere = min(need, self._none_anywhere)
+            return False
         self.reserved[node] = w.id
         before = self.why.snapshot_pools(node) if self.why is not None else None
         missing = cl.reserve_for(w, node, need)
@@ -91,17 +101,41 @@ class Reservations:
                          waited_s=self.snap.now - w.phase_since, gpus_held=len(held), gpus_missing=missing)
         return True
 
-    def _behind_node(self, w: JobView, lw: Optional[tuple], nodes: list[str], need: int,
+    def _choose(self, w: JobView, key: tuple, lw: Optional[tuple], need: int, pre: Optional[Preemption],
+                candidates: list[str]) -> Optional[str]:
+        """The node of `candidates` to hold `w`'s reservation on: the one that can free its GPUs
+        soonest, else one where the jobs holding them rank behind it; None when there is none."""
+        cl = self.cl
+        if self._capacity is None:
+            self._capacity = {}
+            for g in self.snap.gpus:
+                if g.healthy:
+                    self._capacity[g.node] = self._capacity.get(g.node, 0) + 1
+        nodes = [n for n in candidates if n not in self.reserved and self._capacity.get(n, 0) >= need]
+        if not nodes:
+            return None
+        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need, pre))
+        if self._ready_memo(w, lw, node, need, pre)[0] == float("inf"):
+            # No node can free its GPUs by preemption alone. Reserve only where the jobs holding
+            # the rest rank behind it in the order (narrower, later or lower jobs, e.g. one that
+            # may not be paused): they end in time, and what frees must not go to jobs behind it.
+            # Where its GPUs are held by jobs that rank ahead of it, holding GPUs for it would
+            # only idle them while it waits its turn: such reservations were 99.6% of those made
+            # on a Philly window and cost 24% of the full trace's average JCT (simulator.md).
+            return self._behind_node(w, key, lw, nodes, need, pre)
+        return node
+
+    def _behind_node(self, w: JobView, mine: tuple, lw: Optional[tuple], nodes: list[str], need: int,
                      pre: Optional[Preemption]) -> Optional[str]:
         """The node where free and coming-free GPUs, holders `w` may pause and holders that rank
-        behind `w` in the order together cover its need (the most such GPUs, then the name)."""
+        behind `w` in the order (a key above `mine`, its own) together cover its need (the most such GPUs, then the name)."""
         held_on = self._held_on
         if held_on is None:                 # the running jobs' order keys by node, once per round
-            order, ctx, job_node = self.spec.order, self.ctx, self.cl.job_node
+            spec, ctx, job_node, running = self.spec, self.ctx, self.cl.job_node, self.cl.running
+            keys = spec.orders(running, ctx) if spec.orders else [spec.order(v, ctx) for v in running]
             held_on = self._held_on = {}
-            for v in self.cl.running:
-                held_on.setdefault(job_node(v), []).append((order(v, ctx), len(v.assigned), v.id))
-        mine = self.spec.order(w, self.ctx)
+            for v, key in zip(running, keys):
+                held_on.setdefault(job_node(v), []).append((key, len(v.assigned), v.id))
         free, pending = self.cl.pools_for(w)
         best: Optional[tuple[int, str]] = None
         for node in nodes:
@@ -122,17 +156,21 @@ class Reservations:
         cl = self.cl
         if cl.residue:                      # the GPUs w fits on depend on w itself
             return self._readiness(w, lw, node, need, pre)
-        touched = cl.touched
+        key = (node, lw, need)
+        hit = self._ready.get(key)
+        if hit is not None and hit[1] > self._touched_at(node):
+            return hit[0]
+        value = self._readiness(w, lw, node, need, pre)
+        self._ready[key] = (value, len(cl.touched))
+        return value
+
+    def _touched_at(self, node: str) -> int:
+        """Where `node` was last named in `ClusterState.touched` (-1: not this round)."""
+        touched = self.cl.touched
         for k in range(self._seen, len(touched)):
             self._last_touch[touched[k]] = k
         self._seen = len(touched)
-        key = (node, lw, need)
-        hit = self._ready.get(key)
-        if hit is not None and hit[1] > self._last_touch.get(node, -1):
-            return hit[0]
-        value = self._readiness(w, lw, node, need, pre)
-        self._ready[key] = (value, len(touched))
-        return value
+        return self._last_touch.get(node, -1)
 
     def _readiness(self, w: JobView, lw: Optional[tuple], node: str, need: int,
                    pre: Optional[Preemption]) -> tuple:
@@ -157,7 +195,14 @@ class Reservations:
         if lw is None:
             return []
         gone = pre.gone if pre is not None else ()
-        return [(t, n, vid) for t, lv, n, vid in self._parkable_on(pre).get(node, ()) if lw < lv and vid not in gone]
+        # Kept per (node, level) until the round changes that node or takes a victim anywhere
+        # (`gone` only grows): a reservation asks for it, then its node again, job after job.
+        hit = self._lapse_memo.get((node, lw))
+        if hit is not None and hit[1] > self._touched_at(node) and hit[2] == len(gone):
+            return hit[0]
+        value = [(t, n, vid) for t, lv, n, vid in self._parkable_on(pre).get(node, ()) if lw < lv and vid not in gone]
+        self._lapse_memo[(node, lw)] = (value, len(self.cl.touched), len(gone))
+        return value
 
     @staticmethod
     def _enough(lapses: list[tuple[float, int, str]], missing: int) -> int:
