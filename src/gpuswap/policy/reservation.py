@@ -114,8 +114,8 @@ class Reservations:
         nodes = [n for n in candidates if n not in self.reserved and self._capacity.get(n, 0) >= need]
         if not nodes:
             return None
-        node = min(nodes, key=lambda n: self._ready_memo(w, lw, n, need, pre))
-        if self._ready_memo(w, lw, node, need, pre)[0] == float("inf"):
+        ready, node = self._soonest(w, lw, need, pre, nodes)
+        if ready == float("inf"):
             # No node can free its GPUs by preemption alone. Reserve only where the jobs holding
             # the rest rank behind it in the order (narrower, later or lower jobs, e.g. one that
             # may not be paused): they end in time, and what frees must not go to jobs behind it.
@@ -148,21 +148,28 @@ class Reservations:
                 best = (-got, node)
         return None if best is None else best[1]
 
-    def _ready_memo(self, w: JobView, lw: Optional[tuple], node: str, need: int,
-                    pre: Optional[Preemption]) -> tuple:
-        """`_readiness`, kept per node for jobs of the same level and width until the round changes
-        that node (`ClusterState.touched`): with many nodes and many starving wide jobs, each
+    def _soonest(self, w: JobView, lw: Optional[tuple], need: int, pre: Optional[Preemption],
+                 nodes: list[str]) -> tuple[float, str]:
+        """The first of `nodes` by `_readiness`: (when it could give `w` its GPUs, the node). Each
+        node's readiness is kept for jobs of the same level and width until the round changes that
+        node (`ClusterState.touched`): with many nodes and many starving wide jobs, each
         reservation would otherwise estimate every node again."""
-        cl = self.cl
-        if cl.residue:                      # the GPUs w fits on depend on w itself
-            return self._readiness(w, lw, node, need, pre)
-        key = (node, lw, need)
-        hit = self._ready.get(key)
-        if hit is not None and hit[1] > self._touched_at(node):
-            return hit[0]
-        value = self._readiness(w, lw, node, need, pre)
-        self._ready[key] = (value, len(cl.touched))
-        return value
+        best: Optional[tuple] = None
+        if self.cl.residue:                 # the GPUs w fits on depend on w itself
+            best = min(self._readiness(w, lw, n, need, pre) for n in nodes)
+            return best[0], best[2]
+        self._touched_at("")                # brings `_last_touch` up to date
+        last, memo, now = self._last_touch, self._ready, len(self.cl.touched)
+        for n in nodes:
+            hit = memo.get((n, lw, need))
+            if hit is not None and hit[1] > last.get(n, -1):
+                value = hit[0]
+            else:
+                value = self._readiness(w, lw, n, need, pre)
+                memo[(n, lw, need)] = (value, now)
+            if best is None or value < best:
+                best = value
+        return best[0], best[2]                 # readiness ends with its node
 
     def _touched_at(self, node: str) -> int:
         """Where `node` was last named in `ClusterState.touched` (-1: not this round)."""
