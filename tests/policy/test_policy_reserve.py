@@ -256,3 +256,50 @@ def test_a_holder_that_ranks_behind_and_may_not_be_paused_still_gets_a_reservati
     out, waits = decide_explained(snap(now, gpus(2), jobs))
     assert out == []
     assert waits["W"].code == "Reserved" and waits["L2"].code == "Reserved", (waits["W"], waits["L2"])
+
+
+def test_what_a_round_remembers_of_each_node_changes_no_decision(monkeypatch):
+    """A round remembers, per node, that it found no reservation for a job of n GPUs (and asks no
+    later job of n or more there) and which holders a level may pause (reservation.py: every input
+    only shrinks along the round). Random full clusters of several nodes with many wide jobs past
+    the bound, pending or parked in RAM on their node, at mixed classes, services and protections:
+    the decisions and every reason are those of a round that asks every node every time."""
+    from gpuswap.policy.reservation import Reservations
+
+    rng = random.Random(25)
+    reserved = refused = 0
+    for trial in range(250):
+        n_gpu, n_nodes = rng.choice([4, 8]), rng.choice([3, 5, 8])
+        g = gpus(n_gpu, nodes=n_nodes)
+        jobs, k = [], 0
+        for node in range(n_nodes):
+            ids = [node * n_gpu + i for i in range(n_gpu)]
+            rng.shuffle(ids)
+            while ids:                       # the node is full of running jobs of 1-4 GPUs
+                want = min(rng.choice([1, 1, 2, 4]), len(ids))
+                held, ids = tuple(ids[:want]), ids[want:]
+                since = rng.uniform(0, 1990)
+                jobs.append(job(f"r{k}", Phase.RUNNING, prio=rng.choice([LOW, NORMAL, Priority.HIGH]),
+                                user=rng.choice("abc"), gpus=want, assigned=held, since=since,
+                                attained=rng.uniform(0, 1e5), preemptible=rng.random() > 0.15))
+                k += 1
+        for i in range(rng.randint(5, 40)):
+            want = rng.choice([1, 2, 2, 4, 4, n_gpu])
+            prio, user = rng.choice([LOW, NORMAL, Priority.HIGH]), rng.choice("abc")
+            since = rng.uniform(0, 1990)
+            if rng.random() < 0.4:          # parked in RAM: it may resume only on its own node
+                jobs.append(job(f"w{i}", Phase.PAUSED, prio=prio, user=user, gpus=want, parked="ram",
+                                node=f"n{rng.randrange(n_nodes)}", since=since, run_s=rng.uniform(1, 5000),
+                                attained=rng.uniform(0, 1e5), submit=rng.uniform(0, since)))
+            else:
+                jobs.append(job(f"w{i}", prio=prio, user=user, gpus=want, submit=since, since=since))
+        s = snap(2000, g, jobs, config=PolicyConfig(min_runtime_s=rng.choice([0, 60, 600]),
+                                                    reserve_after_s=rng.choice([0.0, 300.0])))
+        monkeypatch.setattr(Reservations, "remember", True)
+        kept = decide(s), decide_explained(s)
+        monkeypatch.setattr(Reservations, "remember", False)
+        assert (decide(s), decide_explained(s)) == kept, trial
+        waits = kept[1][1]
+        reserved += sum(w.code == "Reserved" for w in waits.values())
+        refused += sum(j.gpus >= 2 and j.id in waits and waits[j.id].code != "Reserved" for j in s.jobs)
+    assert reserved > 100 and refused > 1000, (reserved, refused)   # both kinds of answer were checked

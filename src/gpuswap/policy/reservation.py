@@ -22,6 +22,10 @@ from gpuswap.policy.victims import protection
 class Reservations:
     """One round's reservations (one per node) and what they need to choose a node."""
 
+    # Whether a round keeps what it learnt of each node (refusals, holders it may pause) between
+    # the jobs that ask: only a test turns it off, to check that keeping it changes no decision.
+    remember = True
+
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState, why: Optional[Explainer]):
         self.snap, self.spec, self.ctx, self.cl, self.why = snap, spec, ctx, cl, why
         self.reserved: dict[str, str] = {}         # node -> the waiting job holding its reservation
@@ -53,8 +57,7 @@ class Reservations:
         job's own victims there are paused by the usual rules (its level, protection, switch cap,
         benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
         it can lose GPUs to narrower jobs behind it. `key`: its order key; `pre`: the round's
-        preemption, if built yet.
-        Whether it reserved."""
+        preemption, if built yet. Whether it reserved."""
         after = self.snap.config.reserve_after_s
         if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
                 or w.holds_gpu_while_paused or w.home_gpus):
@@ -65,7 +68,7 @@ class Reservations:
             return False
         nodes = cl.candidate_nodes(w)
         anywhere = nodes is cl.nodes
-        none_on = self._none_on if not cl.residue else {}
+        none_on = self._none_on if not cl.residue and self.remember else {}
         if none_on:
             if anywhere and need >= self._none_anywhere:
                 return False
@@ -74,7 +77,7 @@ class Reservations:
                 return False
         node = self._choose(w, key, lw, need, pre, nodes)
         if node is None:
-            if not cl.residue:
+            if not cl.residue and self.remember:
                 for n in nodes:
                     none_on[n] = min(need, none_on.get(n, need))
                 if anywhere:
@@ -128,7 +131,8 @@ class Reservations:
     def _behind_node(self, w: JobView, mine: tuple, lw: Optional[tuple], nodes: list[str], need: int,
                      pre: Optional[Preemption]) -> Optional[str]:
         """The node where free and coming-free GPUs, holders `w` may pause and holders that rank
-        behind `w` in the order (a key above `mine`, its own) together cover its need (the most such GPUs, then the name)."""
+        behind `w` in the order (a key above `mine`, its own) together cover its need (the most
+        such GPUs, then the name)."""
         held_on = self._held_on
         if held_on is None:                 # the running jobs' order keys by node, once per round
             spec, ctx, job_node, running = self.spec, self.ctx, self.cl.job_node, self.cl.running
@@ -204,7 +208,7 @@ class Reservations:
         gone = pre.gone if pre is not None else ()
         # Kept per (node, level) until the round changes that node or takes a victim anywhere
         # (`gone` only grows): a reservation asks for it, then its node again, job after job.
-        hit = self._lapse_memo.get((node, lw))
+        hit = self._lapse_memo.get((node, lw)) if self.remember else None
         if hit is not None and hit[1] > self._touched_at(node) and hit[2] == len(gone):
             return hit[0]
         value = [(t, n, vid) for t, lv, n, vid in self._parkable_on(pre).get(node, ()) if lw < lv and vid not in gone]
