@@ -195,10 +195,18 @@ class Reservations:
         now = self.snap.now
         if have >= need:
             return (now, -have, node)
-        lapses = self._lapses(w, lw, node, pre)
-        k = self._enough(lapses, need - have)
-        ready = max(lapses[k - 1][0], now) if k and sum(n for _, n, _ in lapses[:k]) >= need - have else float("inf")
-        return (ready, -(have + sum(n for _, n, _ in lapses)), node)
+        got = total = have
+        ready = float("inf")
+        if lw is not None:                  # `_lapses` and `_enough` written out: hot
+            gone = pre.gone if pre is not None else ()
+            for t, lv, n, vid in self._parkable_on(pre).get(node, ()):
+                if lw < lv and vid not in gone:
+                    total += n
+                    if got < need:
+                        got += n
+                        if got >= need:
+                            ready = max(t, now)
+        return (ready, -total, node)
 
     def _lapses(self, w: JobView, lw: Optional[tuple], node: str,
                 pre: Optional[Preemption]) -> list[tuple[float, int, str]]:
