@@ -5,7 +5,8 @@ The manifests and parts are the job owner's files, in a directory they own. Whoe
 plant a link to someone else's file, a FIFO that would block its reader for ever, a file too large
 to be a manifest, JSON nested too deep to parse, or numbers of the wrong type or size. So a
 manifest is opened without following a link or waiting (O_NOFOLLOW, O_NONBLOCK) and read only if
-a small regular file (`fsutil.read_small`, with the runtime's own bound); every number it gives is an int within bounds; a part is only lstat'ed.
+a small regular file (`fsutil.read_small`, with the runtime's own bound); every number it gives
+is an int within bounds; a part is only lstat'ed.
 Nothing more is verified here: the job's own restore checks every payload's sha256 and falls back
 past a bad one (runtime/checkpoint.py, runtime/ckparts.py), as after any park to disk.
 

@@ -108,7 +108,6 @@ class Reservations:
                 candidates: list[str]) -> Optional[str]:
         """The node of `candidates` to hold `w`'s reservation on: the one that can free its GPUs
         soonest, else one where the jobs holding them rank behind it; None when there is none."""
-        cl = self.cl
         if self._capacity is None:
             self._capacity = {}
             for g in self.snap.gpus:
