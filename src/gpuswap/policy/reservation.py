@@ -9,6 +9,7 @@ behind it. Kept apart from the round: it is its own rule with its own per-round 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
@@ -19,25 +20,41 @@ from gpuswap.policy.specs import Ctx, Spec
 from gpuswap.policy.victims import protection
 
 
+@dataclass(slots=True)
+class _Holder:
+    """A running job as reservations see it: its level, the GPUs it holds, and whether it could
+    be paused for someone at all (preemptible and parkable; then `protection` says when)."""
+
+    job: JobView
+    level: tuple
+    gpus: int
+    parkable: bool
+
+
 class Reservations:
     """One round's reservations (one per node) and what they need to choose a node."""
 
-    # Whether a round keeps what it learnt of each node (refusals, holders it may pause) between
-    # the jobs that ask: only a test turns it off, to check that keeping it changes no decision.
+    # Whether a round takes its shortcuts: keeps what it learnt of each node (refusals, holders it
+    # may pause) between the jobs that ask, and rules a node out by its holders' levels before
+    # working out their protection and order keys. Only a test turns it off, to check that the
+    # shortcuts change no decision.
     remember = True
 
     def __init__(self, snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState, why: Optional[Explainer]):
         self.snap, self.spec, self.ctx, self.cl, self.why = snap, spec, ctx, cl, why
         self.reserved: dict[str, str] = {}         # node -> the waiting job holding its reservation
-        self._parkable: Optional[dict[str, list[tuple[float, tuple, int, str]]]] = None
+        # Per node: its running jobs with their levels (`_on`, all nodes in one batch on the first
+        # ask of the round: the levels alone answer most asks); built when first needed there,
+        # those that could be paused with when (`_parkable_on`) and their order keys (`_held`).
+        self._running_on: Optional[dict[str, list[_Holder]]] = None
+        self._parkable: dict[str, list[tuple[float, tuple, int, str]]] = {}
+        self._held_on: dict[str, list[tuple[tuple, int, str]]] = {}
+        self._past: Optional[set[str]] = None
         self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
         self._lapse_memo: dict[tuple, tuple[list, int, int]] = {}   # (node, level) -> (lapses, as of touched, of gone)
         self._seen = 0
-        # Per node, its running jobs' (order key, GPUs held, id), built once per round on the
-        # first fallback (`_behind_node`): each use then reads one node's few jobs, not them all.
-        self._held_on: Optional[dict[str, list[tuple[tuple, int, str]]]] = None
         # Per node, the fewest GPUs a job asked for there and found no reservation: a later job
         # of as many GPUs or more finds none there either, so only the other nodes are tried.
         # Along a round every input of a node's answer only shrinks: jobs come in order, so a
@@ -132,19 +149,16 @@ class Reservations:
         """The node where free and coming-free GPUs, holders `w` may pause and holders that rank
         behind `w` in the order (a key above `mine`, its own) together cover its need (the most
         such GPUs, then the name)."""
-        held_on = self._held_on
-        if held_on is None:                 # the running jobs' order keys by node, once per round
-            spec, ctx, job_node, running = self.spec, self.ctx, self.cl.job_node, self.cl.running
-            keys = spec.orders(running, ctx) if spec.orders else [spec.order(v, ctx) for v in running]
-            held_on = self._held_on = {}
-            for v, key in zip(running, keys):
-                held_on.setdefault(job_node(v), []).append((key, len(v.assigned), v.id))
         free, pending = self.cl.pools_for(w)
         best: Optional[tuple[int, str]] = None
+        prefix = self.spec.level_prefix
+        least = mine[:prefix] if prefix and self.remember else None   # the lowest level a holder counted can have
         for node in nodes:
-            pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
             got = len(free[node]) + len(pending[node])
-            for key, n, vid in held_on.get(node, ()):
+            if least is not None and got + sum(h.gpus for h in self._on(node) if not h.level < least) < need:
+                continue                    # even all holders of its level or above would not do
+            pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
+            for key, n, vid in self._held(node):
                 if vid in pausable or key > mine:
                     got += n
             if got >= need and (best is None or (-got, node) < best):
@@ -198,7 +212,12 @@ class Reservations:
         ready = float("inf")
         if lw is not None:                  # `_lapses` and `_enough` written out: hot
             gone = pre.gone if pre is not None else ()
-            for t, lv, n, vid in self._parkable_on(pre).get(node, ()):
+            if self.remember:               # never, whenever their protection ends: the same answer
+                total += sum(h.gpus for h in self._on(node) if h.parkable and lw < h.level and h.job.id not in gone)
+                if total < need:
+                    return (ready, -total, node)
+                total = have
+            for t, lv, n, vid in self._parkable_on(node, pre):
                 if lw < lv and vid not in gone:
                     total += n
                     if got < need:
@@ -218,7 +237,7 @@ class Reservations:
         hit = self._lapse_memo.get((node, lw)) if self.remember else None
         if hit is not None and hit[1] > self._touched_at(node) and hit[2] == len(gone):
             return hit[0]
-        value = [(t, n, vid) for t, lv, n, vid in self._parkable_on(pre).get(node, ()) if lw < lv and vid not in gone]
+        value = [(t, n, vid) for t, lv, n, vid in self._parkable_on(node, pre) if lw < lv and vid not in gone]
         self._lapse_memo[(node, lw)] = (value, len(self.cl.touched), len(gone))
         return value
 
@@ -232,24 +251,52 @@ class Reservations:
             got += n
         return len(lapses)
 
-    def _parkable_on(self, pre: Optional[Preemption]) -> dict[str, list[tuple[float, tuple, int, str]]]:
-        """Per node, its running jobs that could be paused for someone: (when their protection
-        ends, level, GPUs, id), soonest first. Built once per round, on the first reservation."""
-        if self._parkable is None:
-            self._parkable = {}
-            snap, spec, ctx, cl = self.snap, self.spec, self.ctx, self.cl
-            jobs = [v for v in cl.running if v.preemptible and v.tiers]
-            levels = spec.running_levels(jobs, ctx) if spec.running_levels else [spec.level(v, ctx) for v in jobs]
-            unprotected = {v.id for v in pre.eligible_jobs} if pre is not None else set()
-            for v, lv in zip(jobs, levels):
-                why = None if v.id in unprotected else protection(v, snap)
-                if why is None:
-                    t = snap.now
-                elif "seconds_left" in why[2]:
-                    t = snap.now + why[2]["seconds_left"]
-                else:
+    def _on(self, node: str) -> list[_Holder]:
+        """`node`'s running jobs with their levels: all nodes' in one batch, on the first ask of
+        the round (a batch per node cost more than it saved: a round asks about most nodes)."""
+        if self._running_on is None:
+            spec, ctx, running = self.spec, self.ctx, self.cl.running
+            levels = spec.running_levels(running, ctx) if spec.running_levels else [spec.level(v, ctx) for v in running]
+            by: dict[str, list[_Holder]] = {}
+            node_of, job_node = self.cl.node_of, self.cl.job_node
+            for v, lv in zip(running, levels):
+                n = node_of.get(v.assigned[0]) if v.assigned else None
+                by.setdefault(job_node(v) if n is None else n, []).append(
+                    _Holder(v, lv, len(v.assigned), bool(v.preemptible and v.tiers)))
+            self._running_on = by
+        return self._running_on.get(node, [])
+
+    def _held(self, node: str) -> list[tuple[tuple, int, str]]:
+        """`node`'s running jobs as (order key, GPUs held, id), keys made in one batch."""
+        held = self._held_on.get(node)
+        if held is None:
+            spec, ctx, jobs = self.spec, self.ctx, [h.job for h in self._on(node)]
+            keys = spec.orders(jobs, ctx) if spec.orders else [spec.order(v, ctx) for v in jobs]
+            held = self._held_on[node] = [(key, len(v.assigned), v.id) for v, key in zip(jobs, keys)]
+        return held
+
+    def _unprotected(self, pre: Optional[Preemption]) -> set[str]:
+        """The running jobs known past their protection (the round's victims), once it has them."""
+        if pre is None:
+            return set()
+        if self._past is None:
+            self._past = {v.id for v in pre.eligible_jobs}
+        return self._past
+
+    def _parkable_on(self, node: str, pre: Optional[Preemption]) -> list[tuple[float, tuple, int, str]]:
+        """`node`'s running jobs that could be paused for someone: (when their protection ends,
+        level, GPUs, id), soonest first."""
+        held = self._parkable.get(node)
+        if held is None:
+            snap = self.snap
+            unprotected = self._unprotected(pre)
+            held = self._parkable[node] = []
+            for h in self._on(node):
+                if not h.parkable:
                     continue
-                self._parkable.setdefault(cl.job_node(v), []).append((t, lv, len(v.assigned), v.id))
-            for held in self._parkable.values():
-                held.sort(key=lambda e: (e[0], e[3]))
-        return self._parkable
+                v = h.job
+                why = None if v.id in unprotected else protection(v, snap)   # (the same answer: a shortcut)
+                t = snap.now if why is None else snap.now + why[2]["seconds_left"]
+                held.append((t, h.level, h.gpus, v.id))
+            held.sort(key=lambda e: (e[0], e[3]))
+        return held
