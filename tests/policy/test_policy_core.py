@@ -193,12 +193,20 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
         common = dict(prio=rng.choice(list(Priority)), user=rng.choice("abc"), attained=attained,
                       gpus=rng.choice([1, 1, 2, 4, 8]),
                       run_s=run_s, submit=rng.uniform(0, 1e5), since=rng.uniform(0, 1e6),
-                      estimate_s=rng.choice([None, rng.uniform(0, 2e6), run_s]))   # none, any, just outlived
+                      estimate_s=rng.choice([None, rng.uniform(0, 2e6), run_s]),   # none, any, just outlived
+                      weight=rng.choice([1.0, 1.0, 0.5, 3.0]))
         waiting.append(job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED]), **common))
         running.append(job(f"r{i}", Phase.RUNNING, assigned=(0,), **common))
     assert any(s.orders or s.running_levels for s in SPECS.values())
-    for spec in SPECS.values():
-        if spec.orders:
-            assert spec.orders(waiting, ctx) == [spec.order(j, ctx) for j in waiting], spec.name
-        if spec.running_levels:
-            assert spec.running_levels(running, ctx) == [spec.level(j, ctx) for j in running], spec.name
+    # and under class limits: jobs demoted over a budget, lifted into a floor, with a head start
+    from gpuswap.policy.classes import Limits
+    ids = [j.id for j in waiting + running]
+    limits = [Limits(base={i: 1 for i in ids[::7]}, lifted=frozenset(ids[1::5]), protected=frozenset(ids[2::9]),
+                     floor_gpus=2, head=frozenset(ids[3::4])),
+              Limits(lifted=frozenset(ids[::3])), Limits(protected=frozenset(ids[::3]), head=frozenset(ids[1::3]))]
+    for c in [ctx] + [Ctx(ctx.now, cfg, ctx.costs, ctx.usage, lim) for lim in limits]:
+        for spec in SPECS.values():
+            if spec.orders:
+                assert spec.orders(waiting, c) == [spec.order(j, c) for j in waiting], spec.name
+            if spec.running_levels:
+                assert spec.running_levels(running, c) == [spec.level(j, c) for j in running], spec.name

@@ -27,6 +27,23 @@ def test_queue_gives_the_sorted_order_and_what_is_left():
     assert q.in_ram() == [j for _, j in ranked if j.parked == "ram"]    # taken or not
 
 
+def test_every_policys_order_key_ends_with_the_job_id():
+    """The queue finds a popped key's job by the key's last element (queue.py): every policy's key,
+    single or batch, must end with the job's id (unique in a snapshot, so no two keys tie)."""
+    rng = random.Random(5)
+    jobs = [job(f"j{i}", Phase.PAUSED if i % 2 else Phase.PENDING, prio=rng.choice(list(Priority)),
+                gpus=rng.choice([1, 2, 4]), submit=rng.uniform(0, 100), since=rng.uniform(0, 100),
+                attained=rng.uniform(0, 1e5), run_s=rng.uniform(0, 1e4), remaining_s=rng.uniform(1, 1e4))
+            for i in range(40)]
+    s = snap(1000, gpus(8), jobs)
+    ctx = Ctx(s.now, s.config, s.costs, s.usage)
+    for name, spec in SPECS.items():
+        keys = [spec.order(j, ctx) for j in jobs]
+        assert [k[-1] for k in keys] == [j.id for j in jobs], name
+        if spec.orders is not None:
+            assert spec.orders(jobs, ctx) == keys, name
+
+
 def test_wide_jobs_pause_where_the_victim_order_says_each_after_the_last_took_its_node():
     """Three 2-GPU urgent jobs of one kind, three full nodes: each goes where the victims come
     first in victim order (the most recently started low job), and a later one never reuses a

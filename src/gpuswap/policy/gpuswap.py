@@ -60,8 +60,8 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """
     usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
     lim = c.lim
-    limited = lim.active
-    base, lifted, head = lim.base, lim.lifted, lim.head
+    base, lifted, head = lim.base, lim.lifted, lim.head    # gs_class written out (empty: strict classes)
+    shares: dict[str, float] = {}           # user -> share_key at weight 1 (most jobs), looked up once
     out: list[Key] = []
     append = out.append
     for j in jobs:
@@ -71,17 +71,26 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
         band = bisect_right(th, s)
         if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             band = 0                        # starving: promoted
-        w = j.weight
-        if limited:                         # gs_class written out
-            p = FLOOR if j.id in lifted else base.get(j.id, j.priority) + (HEAD if j.id in head else 0)
+        jid = j.id
+        if lifted and jid in lifted:
+            p = FLOOR
+        elif base or head:
+            p = base.get(jid, j.priority) + (HEAD if jid in head else 0)
         else:
             p = j.priority
+        w, user = j.weight, j.user
+        if w == 1.0:
+            share = shares.get(user)
+            if share is None:
+                share = shares[user] = usage.get(user, 0.0)
+        else:
+            share = usage.get(user, 0.0) / (w if w > 1e-9 else 1e-9)
         e = j.estimate_s
-        lb, left = band, s
         if e is not None and e > j.run_s:   # a live estimate (expected_left, left_band written out)
             left = e - j.run_s
-            lb = bisect_right(th, left)
-        append((-p, band, lb, usage.get(j.user, 0.0) / (w if w > 1e-9 else 1e-9), left, j.submit_time, j.id))
+            append((-p, band, bisect_right(th, left), share, left, j.submit_time, jid))
+        else:
+            append((-p, band, band, share, s, j.submit_time, jid))
     return out
 
 
