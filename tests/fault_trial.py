@@ -255,8 +255,9 @@ def run_trial(seed: int, reference: str, scenario: str, log: Callable[[str], Non
     try:
         d.start()
         _send_requests(home, requests, counts)
-        low = _retry(lambda: d.submit(low_gate.train(home / "low.json", STEPS, STEP_TIME, HIDDEN), name="low",
-                                      priority="low"))
+        # keep_pace: the killer may still strike while it runs after its gate opens (a random second kill)
+        low = _retry(lambda: d.submit(low_gate.train(home / "low.json", STEPS, STEP_TIME, HIDDEN, keep_pace=True),
+                                      name="low", priority="low"))
         expected[low] = ("COMPLETED", 0)
         if target == "submitted":   # acknowledged means durable: kill before anything else happens
             time.sleep(delay)

@@ -148,11 +148,13 @@ class Gate:
         return [sys.executable, "-c", before + "\n" + _HOLD + then, str(self.path)]
 
     def train(self, out: Path, steps: int = 200, step_time: float = 0.02, hidden: int = 64,
-              hold_at: Optional[int] = None) -> list[str]:
+              hold_at: Optional[int] = None, keep_pace: bool = False) -> list[str]:
         """`train_cmd`, held at its safepoint from step `hold_at` (default steps - 2) until the gate
-        opens: same final parameters, but it cannot complete before the test lets it."""
+        opens: same final parameters, but it cannot complete before the test lets it. Once the gate
+        is open its steps no longer sleep `step_time` (held_train.py), unless `keep_pace`."""
         held = steps - 2 if hold_at is None else hold_at
-        return [sys.executable, str(HELD_TRAIN), str(self.path), str(held)] + train_cmd(out, steps, step_time, hidden)[3:]
+        return ([sys.executable, str(HELD_TRAIN), str(self.path), str(held)] + (["--keep-pace"] if keep_pace else [])
+                + train_cmd(out, steps, step_time, hidden)[3:])
 
     def sh(self) -> list[str]:
         """The same wait in sh, for jobs of users who cannot run this interpreter (e.g. nobody)."""

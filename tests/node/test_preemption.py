@@ -82,7 +82,8 @@ def test_manual_pause_disk_and_ram_many_times_is_exact(daemon, home, reference_h
 def test_policy_is_selectable_fifo_never_preempts(make_daemon, home):
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--policy", "fifo")
     gate = Gate(home / "long.go")     # RUNNING cannot be missed: the long job ends when the test says
-    long_id = d.submit(gate.train(home / "l.json", 60, 0.05), name="long", priority="low")
+    # keep_pace: the gate opens as the job starts, and the urgent job must still find it running.
+    long_id = d.submit(gate.train(home / "l.json", 60, 0.05, keep_pace=True), name="long", priority="low")
     d.state(long_id, "RUNNING")
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     gate.open()
