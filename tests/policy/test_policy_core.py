@@ -203,7 +203,8 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
     ids = [j.id for j in waiting + running]
     limits = [Limits(base={i: 1 for i in ids[::7]}, lifted=frozenset(ids[1::5]), protected=frozenset(ids[2::9]),
                      floor_gpus=2, head=frozenset(ids[3::4])),
-              Limits(lifted=frozenset(ids[::3])), Limits(protected=frozenset(ids[::3]), head=frozenset(ids[1::3]))]
+              Limits(lifted=frozenset(ids[::3])), Limits(protected=frozenset(ids[::3]), head=frozenset(ids[1::3])),
+              Limits(head=frozenset(ids[::2]))]           # a head start alone holds no limit: strict classes
     for c in [ctx] + [Ctx(ctx.now, cfg, ctx.costs, ctx.usage, lim) for lim in limits]:
         for spec in SPECS.values():
             if spec.orders:

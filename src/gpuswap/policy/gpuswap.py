@@ -60,7 +60,10 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """
     usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
     lim = c.lim
-    base, lifted, head = lim.base, lim.lifted, lim.head    # gs_class written out (empty: strict classes)
+    limited = lim.active                    # gs_class written out: strict classes unless limits hold
+    base, head = lim.base, lim.head
+    lifted = lim.lifted if limited else frozenset()
+    split = limited and bool(base or head)  # some job's class is not its own priority but for a lift
     shares: dict[str, float] = {}           # user -> share_key at weight 1 (most jobs), looked up once
     out: list[Key] = []
     append = out.append
@@ -74,7 +77,7 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
         jid = j.id
         if lifted and jid in lifted:
             p = FLOOR
-        elif base or head:
+        elif split:
             p = base.get(jid, j.priority) + (HEAD if jid in head else 0)
         else:
             p = j.priority
