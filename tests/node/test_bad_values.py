@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -71,18 +73,31 @@ def _fill(path: Path) -> None:
 
 
 @pytest.fixture
-def small_disk():
-    """A 16 MiB tmpfs for GPUSWAP_HOME, so the disk can really be filled."""
-    mnt = Path(tempfile.mkdtemp(prefix="gs-full-", dir="/tmp"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
+def tmpfs():
+    """Mount a tmpfs of a given size (`tmpfs("16m")`), so a disk can really be filled."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = Path(tempfile.mkdtemp(prefix="gs-full-", dir="/tmp"))
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            mnt.rmdir()
+            pytest.skip(f"cannot mount a small tmpfs to fill (needs root and mount rights): {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["pkill", "-9", "-f", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
         mnt.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root and mount rights): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["pkill", "-9", "-f", str(mnt)], check=False)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-    mnt.rmdir()
+
+
+@pytest.fixture
+def small_disk(tmpfs):
+    """A 16 MiB tmpfs for GPUSWAP_HOME."""
+    return tmpfs("16m")
 
 
 def test_submit_and_resume_on_a_full_disk_are_507_and_change_nothing(small_disk):
@@ -130,3 +145,48 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(small_disk):
     assert e.value.errno == errno.ENOSPC
     assert target.read_bytes() == b'{"old": true}'
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "status.json"]
+
+
+def test_the_disk_calibration_never_fills_the_home(tmpfs):
+    """It writes at most a tenth of what is free (bandwidth.py): on a 16 MiB home it wrote until
+    ENOSPC, and the daemon starting there died of its own full disk before its first line."""
+    from gpuswap.node.bandwidth import Bandwidths
+
+    small = Bandwidths()
+    small.calibrate(tmpfs("16m"), simulated=True)              # 1.6 MiB would measure nothing
+    assert small.describe()["disk_write_bps"]["source"] == "default"
+    roomy = Bandwidths()
+    roomy.calibrate(tmpfs("200m"), simulated=True)
+    assert roomy.describe()["disk_write_bps"]["source"] == "calibrated: 20 MiB write+fsync in the home"
+    assert roomy.describe()["disk_read_bps"]["source"] == "calibrated: 20 MiB read in the home"
+
+
+def test_a_daemon_whose_output_cannot_be_written_serves(home):
+    """stdout and stderr on /dev/full (every write is ENOSPC), calibration on: it comes up, serves
+    and stops cleanly, with nothing to say."""
+    from gpuswap.api.client import Client, ClientError
+
+    env = dict({k: v for k, v in os.environ.items() if k != "GPUSWAP_CONFIG"}, GPUSWAP_HOME=str(home))
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuswap.cli.main", "server", "--simulate-gpus", "1x80GiB"],
+                                env=env, stdout=full, stderr=full)
+    try:
+        client, deadline = Client(home, timeout=60), time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the daemon exited with {proc.returncode}"
+            try:
+                assert client.get("/v1/health")["ok"]
+                break
+            except ClientError:
+                assert time.monotonic() < deadline, "the daemon never answered"
+                time.sleep(0.05)
+        assert client.get("/v1/jobs") == []
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, proc.returncode

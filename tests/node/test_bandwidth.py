@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpuswap.node.bandwidth import (PINNED_CALIBRATION_BYTES, Bandwidths, CudaUnavailable,
+from gpuswap.node.bandwidth import (PINNED_CALIBRATION_BYTES, Bandwidths, CudaUnavailable, disk_calibration_bytes,
                                     pinned_copy_bandwidth)
 from gpuswap.node.store import Store
 from gpuswap.policy.model import SwitchCosts
@@ -233,3 +233,14 @@ def test_a_job_that_lies_about_its_speed_teaches_no_bandwidth(make_daemon, home)
         assert after[field] == before[field], (field, before[field], after[field])
     assert d.cli("cancel", str(job)).returncode == 0
     d.state(job, "CANCELLED")
+
+
+def test_the_disk_calibration_writes_a_tenth_of_the_free_room_at_most():
+    MiB = 2**20
+    assert disk_calibration_bytes(100 * 2**30) == 128 * MiB
+    assert disk_calibration_bytes(1280 * MiB) == 128 * MiB
+    assert disk_calibration_bytes(1000 * MiB) == 100 * MiB       # whole 4 MiB blocks
+    assert disk_calibration_bytes(999 * MiB) == 96 * MiB
+    assert disk_calibration_bytes(160 * MiB) == 16 * MiB
+    assert disk_calibration_bytes(159 * MiB) == 0               # too little to measure a bandwidth
+    assert disk_calibration_bytes(0) == 0

@@ -37,6 +37,13 @@ from gpuswap.policy.model import SwitchCosts
 log = logging.getLogger("gpuswap.bandwidth")
 
 CALIBRATION_BYTES = 128 * 2**20
+# The disk calibration writes into the home's filesystem, which jobs' checkpoints share: it takes
+# at most this share of what is free, so it never fills a nearly full disk. (It wrote until
+# ENOSPC on a 16 MiB home: for a moment nothing else could write there, neither a job's
+# checkpoint nor the daemon's own first line, and the daemon died of it in CI.)
+CALIBRATION_FREE_SHARE = 0.1
+MIN_DISK_CALIBRATION_BYTES = 16 * 2**20    # less measures a write's fixed costs, not a bandwidth
+DISK_BLOCK = 4 * 2**20
 PINNED_CALIBRATION_BYTES = 256 * 2**20
 SMOOTHING = 0.3            # weight of a new observation
 MIN_OBSERVED_BYTES = 16 * 2**20   # smaller moves are dominated by fixed costs, not bandwidth
@@ -85,11 +92,13 @@ class Bandwidths:
         its own `clock`), a host memcpy on simulated ones. A figure that cannot be calibrated keeps
         what it has."""
         try:
-            w, r = _disk_bandwidth(home)
-            self._set("disk_write_bps", w, "calibrated: 128 MiB write+fsync in the home")
-            self._set("disk_read_bps", r, "calibrated: 128 MiB read in the home")
+            measured = _disk_bandwidth(home)
         except OSError:
-            pass
+            measured = None
+        if measured is not None:
+            w, r, nbytes = measured
+            self._set("disk_write_bps", w, f"calibrated: {nbytes // 2**20} MiB write+fsync in the home")
+            self._set("disk_read_bps", r, f"calibrated: {nbytes // 2**20} MiB read in the home")
         if simulated:
             bps = _memcpy_bandwidth()
             self._set("ram_park_bps", bps, "calibrated: host memcpy, simulated GPU")
@@ -258,24 +267,37 @@ def _memcpy_bandwidth() -> float:
     return CALIBRATION_BYTES / _best(lambda: d.__setitem__(slice(None), s), 3)
 
 
-def _disk_bandwidth(home: Path) -> tuple[float, float]:
+def disk_calibration_bytes(free: int) -> int:
+    """How much the disk calibration writes where `free` bytes are free: 0 to skip it."""
+    nbytes = min(CALIBRATION_BYTES, int(free * CALIBRATION_FREE_SHARE)) // DISK_BLOCK * DISK_BLOCK
+    return nbytes if nbytes >= MIN_DISK_CALIBRATION_BYTES else 0
+
+
+def _disk_bandwidth(home: Path) -> Optional[tuple[float, float, int]]:
+    """(write, read) bytes/s and the bytes written, or None where the disk has too little room."""
+    st = os.statvfs(home)
+    nbytes = disk_calibration_bytes(st.f_bavail * st.f_frsize)
+    if not nbytes:
+        log.info("disk bandwidths not calibrated: %d MiB free in %s, and the calibration takes at most "
+                 "%d%% of it", st.f_bavail * st.f_frsize // 2**20, home, round(CALIBRATION_FREE_SHARE * 100))
+        return None
     path = home / ".calibration"
-    block = os.urandom(4 * 2**20)
+    block = os.urandom(DISK_BLOCK)
     try:
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)         # the daemon's, whatever the umask (random bytes, but still)
         with open(fd, "wb") as f:
-            for _ in range(CALIBRATION_BYTES // len(block)):
+            for _ in range(nbytes // len(block)):
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
-        write = CALIBRATION_BYTES / (time.perf_counter() - t0)
+        write = nbytes / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             while f.read(len(block)):
                 pass
-        read = CALIBRATION_BYTES / (time.perf_counter() - t0)   # page cache: an upper bound
+        read = nbytes / (time.perf_counter() - t0)   # page cache: an upper bound
     finally:
         path.unlink(missing_ok=True)
-    return write, read
+    return write, read, nbytes

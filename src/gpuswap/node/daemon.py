@@ -99,6 +99,16 @@ def _ray_pool(opts: ServerSettings) -> tuple[pool_mod.Pool, GpuInventory]:
     return pool, PoolInventory(pool)
 
 
+def _announce(line: str) -> None:
+    """The start line, for whoever started us. Our output may go to a full disk or a closed pipe:
+    neither may stop a daemon whose jobs' supervisors wait for it (logging already swallows the
+    same errors, logging.Handler.handleError)."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        pass
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -185,8 +195,8 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
     stop = threading.Event()
     loop_thread = threading.Thread(target=controller.run, args=(stop,), name="controller", daemon=True)
     loop_thread.start()
-    print(f"gpuswap daemon {os.getpid()}: {gpus.describe()}; policy {opts.policy}; "
-          f"listening on {sock}" + (f" and {app.state.public_url} (bearer tokens)" if tcp else ""), flush=True)
+    _announce(f"gpuswap daemon {os.getpid()}: {gpus.describe()}; policy {opts.policy}; "
+              f"listening on {sock}" + (f" and {app.state.public_url} (bearer tokens)" if tcp else ""))
     if tcp:
         tcp.start()
     if sweeper:

@@ -305,7 +305,7 @@ class ServerSettings:
         'output.log and job directory (e.g. 30d, 12h, 90m, 45s, or "never")', _duration,
         unit="DURATION", default_text="30d", show=_toml_duration)
     calibrate: bool = _setting(
-        True, "calibrate", "time a 128 MiB disk write and RAM copies at start (with --ray: on every node, "
+        True, "calibrate", "time a disk write (128 MiB, at most a tenth of the free room) and RAM copies at start (with --ray: on every node, "
         "by its agent), for the switch costs' first figures (false: start from defaults, or figures learned from earlier moves; real moves "
         "refine them either way)", _boolean, flag="--no-calibrate",
         flag_help="do not time a 128 MiB disk write and RAM copies at start (with --ray: on any node): "
