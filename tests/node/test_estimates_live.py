@@ -89,3 +89,52 @@ def test_the_policy_snapshot_carries_the_stored_estimate(tmp_path):
         assert snapshot.job_view(store.get(b)).estimate_s is None
     finally:
         store.close()
+
+
+def test_a_family_keeps_its_estimate_after_the_retention_sweep_forgets_its_runs(make_daemon):
+    """The sweep keeps each family's newest completed runs (`kept_runs`, KEPT_RUNS of them): a
+    family that runs less often than the retention period keeps its estimate. A failed run is not
+    kept, as it never counted."""
+    import sqlite3
+    import time
+
+    from gpuswap.node.store import KEPT_RUNS
+    from gpuswap.policy.estimate import FROM_NAME, from_runs
+
+    daemon = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--retention", "2s")
+    ids, runs = [], []
+    for argv in [["true"]] * (KEPT_RUNS + 1) + [["false"]]:
+        job = _submit(daemon, "--name", "monthly", "--", *argv)
+        daemon.cli("wait", str(job), "--timeout", "120")
+        ids.append(job)
+        if argv == ["true"]:
+            runs.append(daemon.job(job)["run_s"])
+    deadline = time.monotonic() + 120
+    while _any_left(daemon, ids):
+        assert time.monotonic() < deadline, "the sweep never forgot the finished jobs"
+        time.sleep(0.2)
+    db = sqlite3.connect(daemon.home / "state.db")
+    try:
+        assert db.execute(f"SELECT COUNT(*) FROM jobs WHERE id IN ({','.join(map(str, ids))})").fetchone()[0] == 0
+        kept = [r[0] for r in db.execute("SELECT job_id FROM kept_runs ORDER BY job_id")]
+    finally:
+        db.close()
+    assert kept == ids[1:KEPT_RUNS + 1]          # the newest completed ones; neither the oldest nor the failed
+    later = _submit(daemon, "--name", "monthly", "--", "true")
+    rec, _ = _show(daemon, later)
+    expected = from_runs(runs[-KEPT_RUNS:], FROM_NAME)
+    assert (rec["estimate_from"], rec["estimate_runs"], rec["estimate_s"]) == (FROM_NAME, KEPT_RUNS, expected.seconds)
+    assert daemon.cli("wait", str(later), "--timeout", "120").returncode == 0
+
+
+def _any_left(daemon, ids: list[int]) -> bool:
+    """Whether the daemon still has a record of any of `ids` (a forgotten job is a 404)."""
+    from gpuswap.api.client import ClientError
+
+    for job_id in ids:
+        try:
+            daemon.client.get(f"/v1/jobs/{job_id}")
+            return True
+        except ClientError as e:
+            assert "404" in str(e) or "no job" in str(e).lower(), e
+    return False

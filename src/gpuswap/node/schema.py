@@ -282,6 +282,18 @@ def _bandwidths_by_node(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE bandwidths_by_node RENAME TO bandwidths")
 
 
+# -- version 8: the predictor's history outlives the retention sweep (issue 15 item 8) ------------
+# A family that runs once a month would lose every earlier run to a 30-day retention, and with
+# them its estimate. The sweep moves a completed job's (user, name, run_s, end_time) here as it
+# deletes the row, keeping each family's newest few (store.py, KEPT_RUNS); nothing else of the
+# job is kept.
+def _kept_runs(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE IF NOT EXISTS kept_runs (job_id INTEGER PRIMARY KEY, user TEXT NOT NULL, "
+               "name TEXT NOT NULL, run_s REAL NOT NULL, end_time REAL NOT NULL)")
+    db.execute("CREATE INDEX IF NOT EXISTS kept_runs_family ON kept_runs(user, name, end_time)")
+    db.execute("CREATE INDEX IF NOT EXISTS kept_runs_user ON kept_runs(user, end_time)")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
@@ -295,6 +307,8 @@ STEPS: tuple[Step, ...] = (
     Step(6, "jobs gain node, the pool node a job runs or is parked on (NULL: the daemon's own machine)", _node),
     Step(7, "bandwidths are kept per pool node (key node, field; '': the daemon's own machine)",
          _bandwidths_by_node),
+    Step(8, "kept_runs: completed jobs' run times, kept for the runtime predictor past the retention sweep",
+         _kept_runs),
 )
 LATEST = STEPS[-1].version
 

@@ -21,6 +21,7 @@ from gpuswap.lifecycle import EventKind, IllegalTransition, NewEvent
 from gpuswap.node import schema
 from gpuswap.node.records import (RECORD_COLUMNS, RECORD_COLUMNS_NO_ARGV, RECORD_FROM, Event, EventRow, JobRecord,
                                   NewJob, encode)
+from gpuswap.policy.estimate import RECENT
 
 # the records are node/records.py's and lifecycle.py's, also named here
 __all__ = ["Event", "EventRow", "IllegalTransition", "JobRecord", "NewEvent", "NewJob", "Store"]
@@ -29,6 +30,9 @@ _EVENT_INSERT = "INSERT INTO events (job_id,time,state,reason,initiator,kind,tie
 _TERMINAL = tuple(sorted(ENDED))
 _TERMINAL_SQL = "(" + ",".join(f"'{s}'" for s in _TERMINAL) + ")"
 _ENDED = set(_TERMINAL) | {s for s in JobState if s.terminal}
+# Runs of a family kept past the retention sweep: the predictor's window. A user's newest runs of
+# any name are each among their own family's newest, so these serve both of its questions.
+KEPT_RUNS = RECENT
 
 
 def _wal(db: sqlite3.Connection, wait_s: float = 5.0) -> None:
@@ -117,14 +121,15 @@ class Store:
     def finished_runs(self, user: str, name: str, limit: int) -> tuple[list[float], list[float]]:
         """Run-seconds of the user's last `limit` completed jobs of this name, and of any name,
         oldest first: what the runtime predictor learns from (policy/estimate.py). Jobs the
-        retention sweep deleted are forgotten with them."""
+        retention sweep deleted count through what it kept of them (`kept_runs`, `KEPT_RUNS` per
+        family: a `limit` above it sees fewer of them)."""
         done = JobState.COMPLETED.value
+        runs = ("SELECT run_s, end_time, id FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? {also} "
+                "UNION ALL SELECT run_s, end_time, job_id FROM kept_runs WHERE user=? {also} "
+                "ORDER BY end_time DESC, id DESC LIMIT ?")
         with self._lock:
-            same = self._db.execute("SELECT run_s FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? "
-                                    "AND name=? ORDER BY end_time DESC, id DESC LIMIT ?",
-                                    (user, done, name, limit)).fetchall()
-            any_ = self._db.execute("SELECT run_s FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? "
-                                    "ORDER BY end_time DESC, id DESC LIMIT ?", (user, done, limit)).fetchall()
+            same = self._db.execute(runs.format(also="AND name=?"), (user, done, name, user, name, limit)).fetchall()
+            any_ = self._db.execute(runs.format(also=""), (user, done, user, limit)).fetchall()
         return [r[0] for r in reversed(same)], [r[0] for r in reversed(any_)]
 
     def get(self, job_id: int) -> Optional[JobRecord]:
@@ -313,6 +318,7 @@ class Store:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._keep_run(job_id)
                 gone = self._db.execute(f"DELETE FROM jobs WHERE id=? AND state IN {_TERMINAL_SQL}",
                                         (job_id,)).rowcount > 0
                 if gone:
@@ -323,6 +329,20 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
         return gone
+
+    def _keep_run(self, job_id: int) -> None:
+        """In the open transaction: what the predictor needs of a completed job about to be deleted,
+        and its family trimmed to its newest `KEPT_RUNS` (a failed or cancelled run predicts nothing,
+        as `finished_runs` reads)."""
+        row = self._db.execute("SELECT user, name FROM jobs WHERE id=? AND state=? AND end_time IS NOT NULL",
+                               (job_id, JobState.COMPLETED.value)).fetchone()
+        if row is None:
+            return
+        self._db.execute("INSERT OR REPLACE INTO kept_runs (job_id,user,name,run_s,end_time) "
+                         "SELECT id,user,name,run_s,end_time FROM jobs WHERE id=?", (job_id,))
+        self._db.execute("DELETE FROM kept_runs WHERE user=? AND name=? AND job_id NOT IN (SELECT job_id FROM "
+                         "kept_runs WHERE user=? AND name=? ORDER BY end_time DESC, job_id DESC LIMIT ?)",
+                         (*row, *row, KEPT_RUNS))
 
     def events(self, job_id: int) -> list[Event]:
         with self._lock:
