@@ -31,6 +31,8 @@ def test_submit_time_and_estimates_from_earlier_runs_show_where_they_came_from(d
     assert (rec["time_limit_s"], rec["estimate_s"], rec["estimate_from"]) == (14400.0, 14400.0, "time")
     assert rec["estimate"] == "4h from --time" and "4h from --time" in text
     assert daemon.cli("wait", str(first), "--timeout", "120").returncode == 0
+    listed = _ls_left(daemon)
+    assert listed[first] == "-", listed                  # ended: nothing left to say
 
     second = _submit(daemon, "--name", "fam", "--", "sleep", "0.5")     # no --time: learnt from the first
     rec, text = _show(daemon, second)
@@ -40,11 +42,28 @@ def test_submit_time_and_estimates_from_earlier_runs_show_where_they_came_from(d
     assert rec["estimate"].endswith(f"from 1 earlier run of {user}/fam") and f"1 earlier run of {user}/fam" in text
     assert daemon.cli("wait", str(second), "--timeout", "120").returncode == 0
 
+    held = _submit(daemon, "--name", "long", "--time", "3h", "--", "sleep", "600")
+    daemon.state(held, "RUNNING")
+    left = _ls_left(daemon)[held]                        # `ls` LEFT: 3h less what it has run
+    assert left in ("3h", "2h 59m"), left
+    assert daemon.cli("cancel", str(held)).returncode == 0
+
     other = _submit(daemon, "--name", "new", "--", "true")               # a new name: the user's runs
     rec, _ = _show(daemon, other)
     assert (rec["estimate_from"], rec["estimate_runs"]) == ("user", 2)
     assert rec["estimate"].endswith(f"from 2 earlier runs of {user}")
     assert daemon.cli("wait", str(other), "--timeout", "120").returncode == 0
+
+
+def _ls_left(daemon) -> dict[int, str]:
+    """`gpuswap ls`' LEFT column, per job id (read by the header's column positions)."""
+    r = daemon.cli("ls")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("ID"))
+    at, end = lines[header].index("LEFT"), lines[header].index("REASON")
+    return {int(ln.split()[0]): ln[at:end].strip() for ln in lines[header + 1:]
+            if ln[:1].isdigit()}                    # not a wrapped reason's next line
 
 
 def test_an_ended_job_has_its_final_run_time_when_wait_returns(daemon):

@@ -76,13 +76,23 @@ def jobs_table(jobs: list[dict[str, Any]]) -> None:
     if any(j.get("gpus_simulated") for j in jobs):
         console.print(plain(SIMULATED_NOTE, "bold"))
     t = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "USER", "STATE", "PRIO", "GPUS", "STEP", "IN STATE", "REASON"):
+    for col in ("ID", "NAME", "USER", "STATE", "PRIO", "GPUS", "STEP", "IN STATE", "LEFT", "REASON"):
         t.add_column(col, no_wrap=col not in ("REASON",))
     for j in jobs:
         t.add_row(plain(j["id"]), plain(j["name"]), plain(j["user"]), plain(state_text(j)), plain(j["priority"]),
                   plain(gpu_list(j)), plain("-" if j.get("step") is None else j["step"]),
-                  plain(duration(j.get("time_in_state_s"))), plain(reason_text(j)))
+                  plain(duration(j.get("time_in_state_s"))), plain(left_text(j)), plain(reason_text(j)))
     console.print(t)
+
+
+def left_text(j: dict[str, Any]) -> str:
+    """`ls`' LEFT: the run time its estimate says a live job still needs, "outlived" once it ran
+    past it, "-" without an estimate or once ended (`show` says where the estimate came from)."""
+    if j.get("estimate_s") is None or j.get("ended"):
+        return "-"
+    if j.get("estimate_outlived"):
+        return "outlived"
+    return duration(j.get("estimate_left_s"))
 
 
 def estimate_text(j: dict[str, Any]) -> str:
