@@ -70,7 +70,7 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     # The long job holds at its last steps until cancelled (it must still be there at the end, however
     # slow the browser steps are); the urgent job keeps the GPU until the page has shown it there.
     long_id = d.submit(Gate(home / "never").train(home / "long.json", 4000, 0.02), name="long-train",
-                       priority="low", mem="20GiB")
+                       priority="low", mem="20GiB", time_limit_s=7200)
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
 
     root = Page(browser, web, web.token(), shots, "root")
@@ -103,6 +103,7 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     # Its job page says the same beside the parked size, and the park's event names the floor.
     p.goto(f"{web.url}/ui/#/job/{long_id}")
     expect(p.locator("#job-facts")).to_contain_text(re.compile(r"ram \(.+\); 512 MiB stays on GPU 0"))
+    expect(p.locator("#job-facts")).to_contain_text(re.compile(r"2h from --time; 1h \d\dm left"))
     expect(p.locator("#job-events")).to_contain_text("512.0 MiB stays on GPU 0")
     p.goto(f"{web.url}/ui/#/")
     urgent_gate.open()

@@ -202,6 +202,14 @@ function renderOverview(o) {
 }
 
 // -- one job -------------------------------------------------------------------------------
+// The runtime estimate as `gpuswap show` says it (cli/render.py, estimate_text).
+function estimateText(j) {
+  const text = j.estimate || "none";
+  if (j.estimate_s == null || j.ended) return text;
+  if (j.estimate_outlived) return `${text}; outlived (ranked by attained service)`;
+  return j.estimate_left_s != null ? `${text}; ${dur(j.estimate_left_s)} left` : text;
+}
+
 async function renderJob(id) {
   let j;
   try {
@@ -228,7 +236,8 @@ async function renderJob(id) {
     ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}${j.node ? ` on node ${j.node}` : ""}`],
     ["step", j.step ?? "-"],
     ["in state", dur(j.time_in_state_s)], ["preemptions", j.preemptions],
-    ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["command", j.argv.join(" ")]];
+    ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["estimate", estimateText(j)],
+    ["command", j.argv.join(" ")]];
   $("#job-facts").replaceChildren(...facts.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
   $("#job-events").replaceChildren(...(j.events || []).map((e) =>
     h("li", { "data-kind": e.kind }, h("span", { class: "muted" }, new Date(e.time * 1000).toLocaleTimeString()), " ",
