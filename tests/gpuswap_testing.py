@@ -165,6 +165,13 @@ class Gate:
         self.path.touch()
 
 
+def forever(home: Path) -> list[str]:
+    """A plain job (sh, no runtime) that runs until cancelled, for a test that needs a job to stay
+    in its state while it looks: `sleep 30` could end first on a loaded machine. It gives up after
+    600 s like a Gate's jobs (its gate, `home`/never, is never opened)."""
+    return Gate(home / "never").sh()
+
+
 def reference_env(simulated: bool) -> dict[str, str]:
     """The environment of a reference run made outside gpuswap, on the device the job it is compared
     with runs on. A daemon on simulated GPUs gives its jobs GPUSWAP_SIMULATED_GPU=1, so they train on

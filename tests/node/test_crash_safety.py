@@ -11,7 +11,7 @@ import time
 from gpuswap.jobs import JobState
 from gpuswap.lifecycle import EventKind, NewEvent
 from gpuswap.node.store import Store
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 
 def _status(home, job: int) -> dict:
@@ -135,7 +135,7 @@ def test_repeated_kills_during_a_busy_queue_lose_nothing(daemon):
 
 
 def test_supervisor_survives_and_pid_reuse_cannot_fool_liveness(daemon, home):
-    job = daemon.submit(["sleep", "30"])
+    job = daemon.submit(forever(home))
     daemon.state(job, "RUNNING")
     path = home / "jobs" / str(job) / "run-1" / "status.json"
     deadline = time.monotonic() + 180

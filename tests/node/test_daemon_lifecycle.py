@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gpuswap.api.client import ClientError
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 
 def test_submit_wait_exit_code_and_logs(daemon):
@@ -55,9 +55,9 @@ def test_command_that_cannot_start_fails_and_daemon_carries_on(daemon):
 
 
 def test_cancel_running_and_pending(daemon):
-    running = daemon.submit(["sleep", "60"])
+    running = daemon.submit(forever(daemon.home))
     daemon.state(running, "RUNNING")
-    pending = daemon.submit(["sleep", "60"])   # one simulated GPU: waits
+    pending = daemon.submit(forever(daemon.home))   # one simulated GPU: waits
     assert daemon.job(pending)["state"] == "PENDING"
     assert daemon.cli("cancel", str(pending)).returncode == 0
     assert daemon.state(pending, "CANCELLED")
@@ -81,7 +81,7 @@ def test_cli_exit_codes(daemon, tmp_path):
     assert daemon.cli("frobnicate").returncode == 64
     r = daemon.cli("show", "999")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    w = daemon.submit(["sleep", "30"])
+    w = daemon.submit(forever(daemon.home))
     assert daemon.cli("wait", str(w), "--timeout", "0.5").returncode == 124
     daemon.cli("cancel", str(w))
 
@@ -144,7 +144,7 @@ def test_markup_in_user_strings_is_shown_verbatim(daemon):
     assert "[/x]" in show.stdout and """sh -c 'echo '"'"'[red]x[/red]'"'"''""" in show.stdout   # shlex.join
     show = daemon.cli("show", str(missing))
     assert show.returncode == 0 and "cannot start '/nonexistent/[/y]'" in show.stdout
-    blocker = daemon.submit(["sleep", "30"], name="[/z]")
+    blocker = daemon.submit(forever(daemon.home), name="[/z]")
     daemon.state(blocker, "RUNNING")
     gpus = daemon.cli("gpus")
     assert gpus.returncode == 0 and "[/z]" in gpus.stdout, gpus.stderr
@@ -152,7 +152,7 @@ def test_markup_in_user_strings_is_shown_verbatim(daemon):
 
 
 def test_ls_and_show_say_the_gpus_are_simulated(daemon):
-    job = daemon.submit(["sleep", "30"], name="sim")
+    job = daemon.submit(forever(daemon.home), name="sim")
     daemon.state(job, "RUNNING")
     ls = daemon.cli("ls")
     assert ls.returncode == 0 and "SIMULATED" in ls.stdout and "[sim 0]" in ls.stdout
@@ -204,7 +204,7 @@ def test_wait_with_a_bad_timeout_is_a_usage_error(daemon, timeout):
 
 def test_refused_pause_exits_1(daemon):
     """A driver-frozen job has no disk tier: the refusal is reported and is a failure."""
-    job = daemon.submit(["sleep", "30"], pause_mode="transparent")
+    job = daemon.submit(forever(daemon.home), pause_mode="transparent")
     daemon.state(job, "RUNNING")
     r = daemon.cli("pause", str(job), "--to", "disk")
     assert r.returncode == 1 and "refused" in r.stderr and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
@@ -219,7 +219,7 @@ def test_missing_working_directory_is_refused_at_submit_or_blamed_not_the_comman
         daemon.client.post("/v1/jobs", body)
     assert refused.value.exit_code == 64 and str(gone) in str(refused.value), refused.value
     gone.mkdir()                                           # there at submit, gone at the start
-    blocker = daemon.submit(["sleep", "60"])
+    blocker = daemon.submit(forever(daemon.home))
     daemon.state(blocker, "RUNNING")
     job = int(daemon.client.post("/v1/jobs", body)["id"])
     gone.rmdir()

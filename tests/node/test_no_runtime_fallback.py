@@ -5,12 +5,12 @@ import json
 import sys
 import time
 
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 
 def test_wait_fallback_keeps_job_running_and_reports_it(make_daemon):
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--pause-timeout", "2")
-    plain = d.submit(["sleep", "30"], name="plain", priority="low", pause_mode="cooperative")
+    plain = d.submit(forever(d.home), name="plain", priority="low", pause_mode="cooperative")
     d.state(plain, "RUNNING")
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     j = d.until(plain, lambda j: any("cannot park" in e["reason"] for e in j["events"]), timeout=30)
@@ -28,7 +28,7 @@ def test_sigstop_fallback_stops_but_never_counts_memory_as_freed(make_daemon):
     what matters is that it was stopped for real, reported as holding its memory, and not thrashed."""
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--pause-timeout", "2",
                     "--no-runtime", "sigstop")
-    plain = d.submit(["sleep", "30"], name="plain", priority="low", mem="1GiB", pause_mode="cooperative")
+    plain = d.submit(forever(d.home), name="plain", priority="low", mem="1GiB", pause_mode="cooperative")
     d.state(plain, "RUNNING")
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     j = d.until(plain, lambda j: any(e["state"] == "PAUSED" for e in j["events"]), timeout=30)
@@ -91,7 +91,7 @@ def test_sigstop_fallback_lends_the_gpu_to_a_job_that_fits_beside_the_kept_memor
     stopped job continues."""
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "0", "--pause-timeout", "2",
                     "--no-runtime", "sigstop")
-    plain = d.submit(["sleep", "60"], name="plain", priority="low", mem="10GiB", pause_mode="cooperative")
+    plain = d.submit(forever(d.home), name="plain", priority="low", mem="10GiB", pause_mode="cooperative")
     d.state(plain, "RUNNING")
     gate = Gate(home / "urgent.go")       # RUNNING cannot be missed: it ends when the test says
     urgent = d.submit(gate.hold(), name="urgent", priority="urgent", mem="20GiB")

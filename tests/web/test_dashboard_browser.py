@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import pytest
 from webtools import CHROMIUM, CHROMIUM_ARGS, Web, start_web, why_no_browser
 
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
@@ -93,6 +93,9 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(p.locator(f'.gpu[data-gpu="0"] [data-gpu-residue="{long_id}"]')).to_contain_text(
         f"job {long_id} parked in RAM keeps 512 MiB")
     expect(root.row(urgent)).to_contain_text("urgent")
+    # LEFT, as `ls` says it: the long job's 2 h --time less its run time; the urgent one has no estimate.
+    expect(root.row(long_id).locator(".left")).to_have_text(re.compile(r"^1h( \d\dm)?$"))
+    expect(root.row(urgent).locator(".left")).to_have_text("-")
     expect(p.locator('.gpu[data-gpu="0"]')).to_contain_text(f"job {urgent}")
     expect(p.locator("#ram-text")).to_have_text(re.compile(r"^[1-9][\d.]* \w+ parked of a .* budget"))
     # The policy's own reason, as `ls` and `top` show it: the urgent job holds the GPU it parked on.
@@ -148,7 +151,7 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     other = Page(browser, web, web.token("nobody"), shots, "nobody")
     q = other.page
     with web.http(web.token("nobody")) as c:
-        mine = c.post("/v1/jobs", json={"argv": ["sleep", "60"], "cwd": "/tmp", "name": "nobodys-job",
+        mine = c.post("/v1/jobs", json={"argv": forever(home), "cwd": "/tmp", "name": "nobodys-job",
                                         "env": {"PATH": "/usr/bin:/bin"}}).json()["id"]
     expect(q.locator("#who")).to_contain_text("nobody")
     # nobody's normal-priority job outranks root's low one: root's job is parked for it.
@@ -250,7 +253,7 @@ def test_dashboard_refused_pause_shows_the_reason(browser, make_daemon, tmp_path
     shots.mkdir()
     # No gpuswap runtime and cooperative parking only: the first pause times out and leaves it
     # running, after which every pause is refused.
-    job = d.submit(["sleep", "300"], name="no-runtime", pause_mode="cooperative")   # cancelled at the end
+    job = d.submit(forever(d.home), name="no-runtime", pause_mode="cooperative")   # cancelled at the end
     d.state(job, "RUNNING")
     pg = Page(browser, web, web.token(), shots, "refused")
     p = pg.page

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuswap.jobs import JobState
 from webtools import Web, start_web, web  # noqa: F401  (fixture)
 
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 
 def train_cmd(out, steps: int, step_time: float) -> list[str]:
@@ -35,7 +35,8 @@ def preempted(make_daemon, home):
     until the test opens the returned gate (then it finishes and the long job resumes)."""
     web = start_web(make_daemon, "1x80GiB")
     d = web.daemon
-    long_id = d.submit(train_cmd(home / "long.json", 3000, 0.02), name="long", priority="low", mem="20GiB")
+    long_id = d.submit(train_cmd(home / "long.json", 3000, 0.02), name="long", priority="low", mem="20GiB",
+                       time_limit_s=7200)
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
     gate = Gate(home / "urgent.go")
     urgent = d.submit(gate.hold(), name="urgent", priority="urgent")
@@ -131,6 +132,9 @@ def test_overview_and_top_once_show_the_parked_job(preempted):
     assert held in j["pending_reason_text"]
     assert o["gpus"][0]["jobs"] == [urgent] and o["ram"]["parked"] == j["parked_bytes"]
     assert o["fair_share"][0]["user"] == "root"
+    # Its --time estimate and what is left of it (the dashboard's Left): 2 h less its run time.
+    run_s = web.daemon.job(long_id)["run_s"]        # a parked job's run time stands still
+    assert j["estimate_s"] == 7200 and j["estimate_left_s"] == pytest.approx(7200 - run_s, abs=1)
     out = web.daemon.cli("top", "--once")
     assert out.returncode == 0, out.stderr
     for text in ("SIMULATED GPUs", "long", "urgent", "PAUSED", "RAM", "host RAM parked", "fair share", "root"):
@@ -142,7 +146,7 @@ def test_top_once_shows_markup_in_names_verbatim(daemon):
     """Job names are the users' words: rich markup in them is shown as text, never parsed
     ("[/x]" used to crash `top` with a MarkupError; "[bold]x" was rendered as bold "x")."""
     names = ["[/x]", "[bold]x", "[red]r[/red]", "[link=http://e.x]y"]
-    ids = [daemon.submit(["sleep", "30"], name=n) for n in names]
+    ids = [daemon.submit(forever(daemon.home), name=n) for n in names]
     out = daemon.cli("top", "--once")
     assert out.returncode == 0, out.stderr
     assert "MarkupError" not in out.stderr
@@ -154,7 +158,7 @@ def test_top_once_shows_markup_in_names_verbatim(daemon):
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (tests/setup-system.sh installs it)")
 def test_top_live_in_tmux_refreshes_and_quits_on_q(web):
-    job = web.daemon.submit(["sleep", "30"], name="tmux-visible")
+    job = web.daemon.submit(forever(web.daemon.home), name="tmux-visible")
     session = f"gstop{os.getpid()}"
     cmd = f"GPUSWAP_HOME={web.daemon.home} {sys.executable} -m gpuswap.cli.main top"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd], check=True)
@@ -187,7 +191,7 @@ def _pane_shows(session: str, want, timeout: float = 60) -> str:
 def test_top_live_survives_a_daemon_restart(daemon):
     """The live view says the daemon is gone and keeps retrying, then shows the jobs again;
     without a daemon from the start it exits 69, as `--once` does."""
-    job = daemon.submit(["sleep", "60"], name="outlives-restart")
+    job = daemon.submit(forever(daemon.home), name="outlives-restart")
     session = f"gstopr{os.getpid()}"
     rc_file = daemon.home / "top.rc"
     cmd = (f"GPUSWAP_HOME={daemon.home} {sys.executable} -m gpuswap.cli.main top --interval 0.2; "
@@ -237,7 +241,7 @@ def _file_becomes(path, content: str, timeout: float = 60) -> None:
 def test_dcgm_job_mapping_files_follow_the_jobs(make_daemon, tmp_path):
     mapdir = tmp_path / "dcgm"
     web = start_web(make_daemon, "2x80GiB", "--dcgm-job-mapping-dir", str(mapdir))
-    job = web.daemon.submit(["sleep", "30"], name="mapped")
+    job = web.daemon.submit(forever(web.daemon.home), name="mapped")
     gpu = web.daemon.state(job, "RUNNING")["assigned_gpus"][0]
     _file_becomes(mapdir / str(gpu), f"{job}\n")
     _file_becomes(mapdir / str(1 - gpu), "")

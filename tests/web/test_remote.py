@@ -10,7 +10,7 @@ import time
 import pytest
 from webtools import Web, free_port, web  # noqa: F401  (fixture)
 
-from gpuswap_testing import Gate
+from gpuswap_testing import Gate, forever
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a token for a second user")
 
@@ -58,13 +58,17 @@ def test_tokens_are_stored_hashed_and_revocable(web):
 
 
 def test_other_users_token_same_rules_as_socket(web):
-    root_job = web.daemon.submit(Gate(web.daemon.home / "never").sh(), name="roots")   # runs until cancelled
+    root_job = web.daemon.submit(Gate(web.daemon.home / "never").sh(), name="roots",   # runs until cancelled
+                                 time_limit_s=7200)
     nobody = web.token("nobody")
     with web.http(nobody) as c:
         me = c.get("/v1/overview").json()
         assert me["caller"]["user"] == "nobody" and not me["caller"]["admin"]
         others = [j for j in me["jobs"] if j["id"] == root_job]
         assert others and others[0]["name"] == "" and not others[0]["mine"]   # visible, but not theirs
+        # Its estimate comes from its owner's history: not shown to others (as its name and step).
+        assert (others[0]["estimate_s"], others[0]["estimate_left_s"]) == (None, None)
+        assert "estimate" not in others[0] and "estimate_from" not in others[0]
         assert c.get(f"/v1/jobs/{root_job}").status_code == 404
         assert c.post(f"/v1/jobs/{root_job}/cancel").status_code == 404
         assert c.post(f"/v1/jobs/{root_job}/pause", json={"to": "ram"}).status_code == 404
@@ -81,7 +85,7 @@ def test_other_users_token_same_rules_as_socket(web):
 
 
 def test_cli_over_tcp_and_its_errors(web):
-    job = web.daemon.submit(["sleep", "30"], name="remote-visible")
+    job = web.daemon.submit(forever(web.daemon.home), name="remote-visible")
     ok = _remote_cli(web, web.token(), "ls", "--json")
     assert ok.returncode == 0, ok.stderr
     assert "remote-visible" in ok.stdout

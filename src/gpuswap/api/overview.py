@@ -10,7 +10,7 @@ import time
 from typing import Any, Optional
 
 from gpuswap.api.auth import Caller
-from gpuswap.api.views import residue_rows, wait_fields
+from gpuswap.api.views import estimate_fields, residue_rows, wait_fields
 from gpuswap.jobs import JobState, Priority
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
@@ -34,6 +34,9 @@ def job_summary(j: JobRecord, who: Caller, now: float, wait: Wait | None) -> dic
         "preemptions": j.preemptions, "time_in_state_s": max(0.0, now - j.state_since),
         "submit_time": j.submit_time, "exit_code": j.exit_code,
         "reason": j.reason if mine else "",
+        # The runtime estimate and what is left of it (`ls`' LEFT), like the name and step only
+        # for the caller's own jobs: an estimate comes from its owner's history.
+        **(estimate_fields(j) if mine else {"estimate_s": None, "estimate_left_s": None, "estimate_outlived": False}),
         **wait_fields(wait),
     }
 

@@ -188,17 +188,24 @@ function renderOverview(o) {
       h("td", { class: "parked" }, parkedSize(j)),
       h("td", { class: "gpus" }, j.gpus, j.assigned_gpus.length
         ? ` [${j.assigned_gpus.map((i) => gpuName(j.node, i)).join(",")}]` : ""),
-      h("td", {}, dur(j.time_in_state_s)), h("td", { class: "reason" }, reason),
+      h("td", {}, dur(j.time_in_state_s)), h("td", { class: "left" }, leftText(j)), h("td", { class: "reason" }, reason),
       h("td", { class: "actions" }, actionButtons(j)));
   });
   $("#jobs tbody").replaceChildren(...(rows.length ? rows
-    : [h("tr", {}, h("td", { colspan: 11, class: "muted" }, "no jobs"))]));
+    : [h("tr", {}, h("td", { colspan: 12, class: "muted" }, "no jobs"))]));
   $("#fair-hint").textContent = `GPU-seconds of service, decayed with a half-life of ${dur(o.fair_share_half_life_s)}; lower usage is served first among equals.`;
   const fair = o.fair_share.map((u) => h("tr", { "data-user": u.user }, h("td", {}, u.user),
     h("td", {}, `${u.usage_gpu_s.toFixed(1)} GPU·s`),
     h("td", {}, bar(100 * u.share), `${(100 * u.share).toFixed(1)}%`), h("td", {}, u.gpus_now)));
   $("#fair tbody").replaceChildren(...(fair.length ? fair
     : [h("tr", {}, h("td", { colspan: 4, class: "muted" }, "no usage yet"))]));
+}
+
+// The run time a live job's estimate says it still needs, as `gpuswap ls`' LEFT says it
+// (cli/render.py, left_text): "1h 59m", "outlived", or "-" (no estimate, ended, another user's).
+function leftText(j) {
+  if (j.estimate_s == null || j.ended) return "-";
+  return j.estimate_outlived ? "outlived" : dur(j.estimate_left_s);
 }
 
 // -- one job -------------------------------------------------------------------------------
