@@ -165,11 +165,13 @@ class Gate:
         self.path.touch()
 
 
-def forever(home: Path) -> list[str]:
-    """A plain job (sh, no runtime) that runs until cancelled, for a test that needs a job to stay
-    in its state while it looks: `sleep 30` could end first on a loaded machine. It gives up after
-    600 s like a Gate's jobs (its gate, `home`/never, is never opened)."""
-    return Gate(home / "never").sh()
+def forever(home: Path, first: str = "") -> list[str]:
+    """A plain job (sh, no runtime) that runs shell command `first`, then until cancelled: for a
+    test that needs a job to stay in its state while it looks (`sleep 30` could end first on a
+    loaded machine). It gives up after 600 s like a Gate's jobs (its gate, `home`/never, is never
+    opened)."""
+    wait = Gate(home / "never").sh()
+    return wait[:2] + [f"{first}\n{wait[2]}" if first else wait[2]] + wait[3:]
 
 
 def reference_env(simulated: bool) -> dict[str, str]:

@@ -131,7 +131,7 @@ def test_port_in_use_is_one_line_exit_1(web, tmp_path):
 def test_dashboard_and_log_tail_headers(web):
     """The page may run only its own files (CSP), cannot be framed, and nothing is MIME-sniffed:
     a job's log tail is text/plain and stays text even if it holds HTML."""
-    job = web.daemon.submit(["sh", "-c", "echo '<script>alert(1)</script>'; sleep 30"], name="<b>x</b>")
+    job = web.daemon.submit(forever(web.daemon.home, "echo '<script>alert(1)</script>'"), name="<b>x</b>")
     web.daemon.state(job, "RUNNING")
     with web.http(None) as anon:
         page = anon.get("/ui/")
