@@ -65,7 +65,7 @@ def test_no_other_module_declares_the_servers_defaults():
     from gpuswap.node.launcher import Launcher
 
     fields = {f.name: f for f in dataclasses.fields(ControllerConfig)}
-    for name in ("policy", "pause_timeout_s", "no_runtime", "ram_budget"):
+    for name in ("policy", "pause_timeout_s", "attach_grace_s", "no_runtime", "ram_budget"):
         assert fields[name].default is dataclasses.MISSING, name
     assert inspect.signature(Launcher).parameters["pause_timeout_s"].default is inspect.Parameter.empty
     assert inspect.signature(Authorizer).parameters["admin_group"].default is inspect.Parameter.empty

@@ -18,8 +18,9 @@ from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import KillProcesses, RemoveCheckpoints, Sample
 
 T = 10_000.0                       # the fake clock: "now" in every row
-RULES = Rules(pause_timeout_s=30.0, no_runtime="wait")
-SIGSTOP = Rules(pause_timeout_s=30.0, no_runtime="sigstop")
+RULES = Rules(pause_timeout_s=30.0, no_runtime="wait", attach_grace_s=30.0)
+SIGSTOP = Rules(pause_timeout_s=30.0, no_runtime="sigstop", attach_grace_s=30.0)
+SLOW_START = Rules(pause_timeout_s=30.0, no_runtime="wait", attach_grace_s=120.0)   # --attach-grace 2m
 P, R, PG, PD, RS = JobState.PENDING, JobState.RUNNING, JobState.PAUSING, JobState.PAUSED, JobState.RESUMING
 GiB = 1 << 30
 
@@ -172,6 +173,12 @@ ROWS: list[tuple[str, JobRecord, Facts, Rules, list[tuple]]] = [
      [(dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), K.CANNOT_PARK,
        "cannot park (no safepoint reached within 30 s): left running; it will not be preempted", ())]),
     ("never attached: left running", job(**PAUSING, attached=False, last_start=T - 31), Facts(seen({})), RULES,
+     [(dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), K.CANNOT_PARK,
+       "cannot park (no gpuswap runtime attached): left running; it will not be preempted", ())]),
+    ("not attached yet, within a longer grace", job(**PAUSING, attached=False, last_start=T - 31), Facts(seen({})),
+     SLOW_START, []),
+    ("never attached within a longer grace", job(**PAUSING, attached=False, last_start=T - 121), Facts(seen({})),
+     SLOW_START,
      [(dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), K.CANNOT_PARK,
        "cannot park (no gpuswap runtime attached): left running; it will not be preempted", ())]),
     ("multi-rank, not pausable", job(**dict(PAUSING, pause_requested_at=T - 31), width=2),

@@ -215,7 +215,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         # drops the hold with the reason: a refusal is a failed request, not a success.
         # A job whose runtime has not attached yet keeps the request (deferred, with its event).
         job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
-                       or j.reason == deferred_pause_text(j.hold_tier or "ram"), 2.0)
+                       or j.reason == deferred_pause_text(j.hold_tier or "ram", controller.config.attach_grace_s), 2.0)
         if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
             raise HTTPException(409, f"job {job_id}: {job.reason}")
         return record(job)

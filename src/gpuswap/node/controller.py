@@ -20,7 +20,7 @@ from gpuswap.lifecycle import STARTED, EventKind as K, NewEvent
 from gpuswap.node import observe, residue, snapshot
 from gpuswap.node.bandwidth import Bandwidths
 from gpuswap.node.nodebandwidths import NodeBandwidths
-from gpuswap.node.freezer import (ATTACH_GRACE_S, awaiting_runtime, deferred_pause_text, job_parkability,
+from gpuswap.node.freezer import (awaiting_runtime, deferred_pause_text, job_parkability,
                                   mechanism_for, tiers_for)
 from gpuswap.node.cuda_ckpt import Capability
 from gpuswap.node.launcher import Launcher
@@ -55,6 +55,7 @@ class ControllerConfig:
     pause_timeout_s: float             # no safepoint within this long after a pause request: fall back
     no_runtime: str                    # fallback: "wait" (keep running) or "sigstop" (memory stays on GPU)
     ram_budget: int                    # bytes of host RAM parked jobs may hold
+    attach_grace_s: float              # an auto-mode job without a runtime attached this long has none
     tick_s: float = 0.2
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -69,7 +70,7 @@ class Controller:
         self.store, self.launcher, self.pool, self.config, self.clock = store, launcher, pool, config, clock
         self.bandwidths = bandwidths
         self.node_bandwidths = node_bandwidths     # a pool's: each node's own figures (None: one machine)
-        self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime)
+        self.rules = observe.Rules(config.pause_timeout_s, config.no_runtime, config.attach_grace_s)
         self.applier = Applier(store, bandwidths, launcher.ckpt_dir, node_bandwidths)
         self.placement = Placement(pool)    # where jobs are and may go, in the policy's GPU ids
         pool.notify = self.wake
@@ -327,11 +328,12 @@ class Controller:
             return
         if job.state == JobState.RUNNING:
             tier = job.hold_tier or "ram"
-            if awaiting_runtime(job, now) and not self._freezable_now(job, tier):
+            grace = self.config.attach_grace_s
+            if awaiting_runtime(job, now, grace) and not self._freezable_now(job, tier):
                 # Decided on a job still importing its framework, a disk pause would be refused and
                 # a RAM one tried on a process with no CUDA state; wait for the attach (or the grace).
-                if job.reason != deferred_pause_text(tier):
-                    self.store.update(job.id, now, event=NewEvent(K.PAUSE_DEFERRED, deferred_pause_text(tier),
+                if job.reason != deferred_pause_text(tier, grace):
+                    self.store.update(job.id, now, event=NewEvent(K.PAUSE_DEFERRED, deferred_pause_text(tier, grace),
                                                                   tier=tier, initiator="user"))
                 return
             if tier not in tiers_for(job, self.placement.cap(job).available):
@@ -434,7 +436,7 @@ class Controller:
         if job.no_runtime:
             return "it reached no safepoint when last asked to pause; it is not asked again"
         if mechanism_for(job, self.placement.cap(job).available) == "transparent":
-            unattached = (f"no gpuswap runtime attached within {ATTACH_GRACE_S:g} s of its start, and "
+            unattached = (f"no gpuswap runtime attached within {self.config.attach_grace_s:g} s of its start, and "
                           if job.pause_mode == "auto" and not job.attached else "")
             return f"{unattached}a driver-frozen job is held in RAM; CRIU disk dumps are not supported"
         return f"pause mode {job.pause_mode}; {self.placement.cap(job).reason}"

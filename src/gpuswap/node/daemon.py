@@ -166,6 +166,7 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
         threading.Thread(target=bandwidths.calibrate, args=(home, gpus.simulated), name="calibrate",
                          daemon=True).start()
     config = ControllerConfig(policy=opts.policy, pause_timeout_s=opts.pause_timeout_s, no_runtime=opts.no_runtime,
+                              attach_grace_s=opts.attach_grace_s,
                               ram_budget=opts.ram_budget or default_ram_budget(),
                               policy_config=PolicyConfig(min_runtime_s=opts.min_runtime_s,
                                                          protect_multiple=opts.protect_multiple,

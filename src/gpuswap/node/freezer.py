@@ -38,8 +38,6 @@ from gpuswap.protocol import rundir
 from gpuswap.simcuda import start_ticks
 
 LOCK_TIMEOUT_MS = 10_000
-# A job that has run this long without its runtime saying hello is taken to have none.
-ATTACH_GRACE_S = 30.0
 
 
 def mechanism_for(job: JobRecord, transparent_ok: bool) -> Optional[str]:
@@ -69,18 +67,18 @@ def job_parkability(job: JobRecord, transparent_ok: bool) -> Parkability:
                        job.ram_refusal, transparent_refused=job.transparent_refused)
 
 
-def awaiting_runtime(job: JobRecord, now: float) -> bool:
+def awaiting_runtime(job: JobRecord, now: float, grace_s: float) -> bool:
     """An auto-mode job young enough that its runtime may still attach (a cooperative job spends
     its first seconds importing its framework): how it would be parked is not known yet."""
     return (job.pause_mode == "auto" and not job.attached and not job.no_runtime
-            and job.last_start is not None and now - job.last_start <= ATTACH_GRACE_S)
+            and job.last_start is not None and now - job.last_start <= grace_s)
 
 
-def deferred_pause_text(tier: str) -> str:
+def deferred_pause_text(tier: str, grace_s: float) -> str:
     """The event of a user's pause kept until the job's runtime attaches (the API waits for it)."""
     return (f"pause to {tier} deferred: the job's gpuswap runtime has not attached yet; it is parked at "
             f"its first safepoint, or handled as a job without a runtime if none attaches within "
-            f"{ATTACH_GRACE_S:g} s of its start")
+            f"{grace_s:g} s of its start")
 
 
 def tiers_for(job: JobRecord, transparent_ok: bool) -> frozenset[str]:

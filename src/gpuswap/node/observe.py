@@ -17,7 +17,6 @@ from typing import Any, Literal, Mapping, Optional
 from gpuswap.jobs import REQUEUE_EXIT_CODE, JobState, format_size
 from gpuswap.lifecycle import EventKind as K, NewEvent
 from gpuswap.node import residue
-from gpuswap.node.freezer import ATTACH_GRACE_S
 from gpuswap.node.launcher import SPAWN_GRACE_S, Observation
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import KillProcesses, RemoveCheckpoints, Sample, Transition
@@ -31,6 +30,7 @@ class Rules:
     """The daemon's settings the observer applies (node/settings.py checks them)."""
     pause_timeout_s: float       # no safepoint within this long after a pause request: fall back
     no_runtime: str              # the fallback: "wait" (keep running) or "sigstop"
+    attach_grace_s: float        # no runtime attached this long after a start: it has none
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def _pausing(job: JobRecord, rt: RuntimeFacts, obs: Observation, kept: Mapping[i
         # phase by the same timeout, ending the job with the reason (runtime/ranktable.py).
         return None
     asked_for = now - (job.pause_requested_at or now)
-    never_attached = not rt.attached and now - (job.last_start or now) > ATTACH_GRACE_S
+    never_attached = not rt.attached and now - (job.last_start or now) > rules.attach_grace_s
     if asked_for <= rules.pause_timeout_s and not never_attached:
         return None
     # From here on the job is not asked to pause again for the rest of this launch (a later

@@ -286,6 +286,10 @@ class ServerSettings:
         "within budget keeps the head start); 0 for none", _share, unit="SHARE")
     pause_timeout_s: float = _setting(
         60.0, "pause-timeout", "how long to wait for a safepoint before falling back", _number, unit="SECONDS")
+    attach_grace_s: float = _setting(
+        30.0, "attach-grace", "how long an auto-mode job may run before its gpuswap runtime must have "
+        "said hello; after that it is parked as a job without one (e.g. longer for a job that imports a "
+        "large framework from a slow file system)", _positive, unit="SECONDS")
     no_runtime: str = _setting(
         "wait", "no-runtime", "for a job that never reaches a safepoint: keep it running (wait) or "
         "SIGSTOP it, which keeps its GPU memory allocated", _choice("wait", "sigstop"), unit="{wait,sigstop}")
