@@ -92,10 +92,11 @@ def test_a_double_booking_policy_is_caught(monkeypatch):
 def test_same_seed_same_result(philly_path):
     a = load(philly_path, seed=3, limit=300, gpus_per_node=4)
     b = load(philly_path, seed=3, limit=300, gpus_per_node=4)
-    # a 10-minute tick: determinism does not depend on it, and the default 60 s makes this run
-    # decide ~10x as often over the window's months of backlog (90 s instead of 8 s)
-    ra = simulate(a.jobs, "gpuswap", cluster=SMALL, tick_s=600)
-    rb = simulate(b.jobs, "gpuswap", cluster=SMALL, tick_s=600)
+    # An hourly tick: determinism does not depend on it, and these 300 jobs keep 8 GPUs backlogged
+    # for ~600 simulated days, so every tick is a decision (81,000 with a 10-minute tick: 17 CPU-s
+    # a run; hourly, 3 s and still ~900 preemptions)
+    ra = simulate(a.jobs, "gpuswap", cluster=SMALL, tick_s=3600)
+    rb = simulate(b.jobs, "gpuswap", cluster=SMALL, tick_s=3600)
     assert sum(j.preemptions for j in ra.jobs) > 0       # the policy's time-based rules ran
     assert [(j.end, j.preemptions) for j in ra.jobs] == [(j.end, j.preemptions) for j in rb.jobs]
 
