@@ -34,9 +34,11 @@ def kill_pids(records: list[tuple[int, Optional[int]]]) -> int:
     """SIGKILL each (pid, start ticks) process that is still that process: the ranks of a multi-rank
     job, which torchrun starts as session leaders of their own, outside the job's session.
     Returns how many were still alive (0: none left). A pid that now names a process started at
-    another time, or a zombie, is left alone."""
+    another time, or a zombie, is left alone, and so is one whose start time was never known: a
+    bare pid may name anyone's process by now (a rank's connecting process that was already gone
+    when it was looked at left only its pid, which a job could then get reused under root's kill)."""
     started = dict(records)
-    return kill_each(started, lambda pid, st: started[pid] is None or st[2] == started[pid])
+    return kill_each(started, lambda pid, st: started[pid] is not None and st[2] == started[pid])
 
 
 def kill_each(pids: Iterable[int], still_ours: Callable[[int, tuple[str, int, int]], bool]) -> int:

@@ -19,13 +19,17 @@ import threading
 import time
 from typing import Callable, Optional
 
-from gpuswap import peercred
+from gpuswap import peercred, processes
 from gpuswap.node.statusfile import StatusFile
 from gpuswap.protocol import channel, messages, records
 from gpuswap.protocol.rundir import Desired, Spec
 from gpuswap.runtime.ranktable import RankTable
 
 MAX_BAD = 64          # invalid control messages one connection may send before it is closed
+# Open control connections beyond what the job can use (one for a single-rank job's runtime, one
+# per rank: the job's GPUs, or the world size its ranks said) are closed at once: each is served by
+# a thread of this root process, and a job that opened thousands could use up the machine's pids.
+SPARE_CONNS = 16
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int]:
@@ -49,6 +53,8 @@ class JobChannel:
         self.conn: Optional[socket.socket] = None
         self.sent: Optional[tuple[str, Optional[str]]] = None
         self.ranks: Optional[RankTable] = None
+        self._conns_lock = threading.Lock()
+        self._open = 0                  # control connections being served
 
     # -- the socket ---------------------------------------------------------------------------
     def serve(self) -> None:
@@ -74,14 +80,41 @@ class JobChannel:
         while True:
             conn, _ = srv.accept()
             pid, uid = peer_cred(conn)
+            # The connecting process's start time, now: with its pid it names that process for good
+            # (ranktable.py). One already gone (or in another pid namespace) leaves none: such a
+            # process is never recorded as a rank's, so never killed.
+            ticks = processes.start_ticks(pid) if pid else None
             if uid not in allowed:
                 conn.close()
                 continue
-            threading.Thread(target=self._read, args=(conn, pid), daemon=True).start()
+            with self._conns_lock:
+                if self._open >= self._conn_limit():
+                    over = True
+                else:
+                    over = False
+                    self._open += 1
+            if over:
+                conn.close()
+                self.files.log_limited(f"closed a control connection (pid {pid}): {self._conn_limit()} "
+                                       "are open, more than this job can use")
+                continue
+            threading.Thread(target=self._read, args=(conn, pid, ticks), daemon=True).start()
 
-    def _read(self, conn: socket.socket, peer_pid: Optional[int] = None) -> None:
+    def _conn_limit(self) -> int:
+        gpus = self.spec.extra_env.get("CUDA_VISIBLE_DEVICES", "")
+        world = self.ranks.coord.world_size if self.ranks is not None else 0
+        return SPARE_CONNS + max(len([g for g in gpus.split(",") if g.strip()]), world or 0)
+
+    def _read(self, conn: socket.socket, peer_pid: Optional[int] = None, peer_ticks: Optional[int] = None) -> None:
         """Serve one connection. Every line is validated (messages.py): a bad one is ignored and
         counted, and a connection that sends MAX_BAD of them is closed with one log line."""
+        try:
+            self._serve_conn(conn, peer_pid, peer_ticks)
+        finally:
+            with self._conns_lock:
+                self._open -= 1
+
+    def _serve_conn(self, conn: socket.socket, peer_pid: Optional[int], peer_ticks: Optional[int]) -> None:
         files, bad = self.files, 0
         try:
             for line in channel.read_lines(conn, messages.MAX_LINE):
@@ -101,7 +134,7 @@ class JobChannel:
                         files.log_limited(f"closed a control connection after {bad} invalid messages")
                         break
                     continue
-                if not self.on_message(conn, msg, peer_pid):
+                if not self.on_message(conn, msg, peer_pid, peer_ticks):
                     break
         except OSError:
             pass
@@ -127,10 +160,11 @@ class JobChannel:
             return False
 
     # -- what a message changes ---------------------------------------------------------------
-    def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None) -> bool:
+    def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None,
+                   peer_ticks: Optional[int] = None) -> bool:
         """Fold one message into status and reconcile; False: close this connection."""
         if self.ranks is not None or (isinstance(msg, records.Hello) and (msg.world_size or 1) > 1):
-            return self._on_rank_message(conn, msg, peer_pid)
+            return self._on_rank_message(conn, msg, peer_pid, peer_ticks)
         files = self.files
         with files.lock:
             rt = files.status.runtime
@@ -174,14 +208,15 @@ class JobChannel:
         self._reconcile()
         return True
 
-    def _on_rank_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int]) -> bool:
+    def _on_rank_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int],
+                         peer_ticks: Optional[int]) -> bool:
         files, now = self.files, time.time()
         with files.lock:
             if self.ranks is None:
                 self.ranks = RankTable(self.spec.pause_timeout_s, self._on_kill, files.log)
                 files.log(f"multi-rank job: {msg.world_size if isinstance(msg, records.Hello) else '?'} ranks")
             if isinstance(msg, records.Hello):
-                if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now):
+                if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now, peer_ticks):
                     files.log_limited(f"refused a control connection (pid {peer_pid}): rank {msg.rank} of "
                                       f"{msg.world_size or 1} in a job of {self.ranks.coord.world_size} ranks, "
                                       "or a rank already connected")

@@ -47,6 +47,6 @@ def alive(sid: int, started: Optional[int], ranks: Iterable[tuple[int, Optional[
     left = len(members(sid, started))
     for pid, ticks in ranks:
         st = stat(pid)
-        if st is not None and st[0] not in ("Z", "X") and (ticks is None or st[2] == ticks):
+        if st is not None and st[0] not in ("Z", "X") and ticks is not None and st[2] == ticks:
             left += 1
     return left

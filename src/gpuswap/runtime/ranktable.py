@@ -22,8 +22,15 @@ from typing import Any, Callable, Optional
 
 from gpuswap import processes
 from gpuswap.protocol import records
+from gpuswap.protocol.bounds import MAX_WORLD
 from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
+
+
+# Processes a job's ranks may have been, over one launch: every rank of the largest world, a few
+# times over (a rank that reconnects is the same process). Without a bound, a job that kept
+# connecting from new processes grew the table, and status.json, without end.
+MAX_PROCESSES = 4 * MAX_WORLD
 
 
 @dataclass(frozen=True)
@@ -47,10 +54,16 @@ class RankTable:
         self.restored: dict[int, records.Hello] = {}    # each rank's last hello: what it restored
 
     # -- inputs ------------------------------------------------------------------------------
-    def hello(self, conn: socket.socket, msg: records.Hello, peer_pid: Optional[int], now: float) -> bool:
+    def hello(self, conn: socket.socket, msg: records.Hello, peer_pid: Optional[int], now: float,
+              peer_ticks: Optional[int] = None) -> bool:
         """A rank said who it is. False: the connection is refused (a second live process claiming
-        a rank, or a world size that disagrees) and must be closed."""
+        a rank, a world size that disagrees, or more processes than MAX_PROCESSES) and must be
+        closed. `peer_pid`, `peer_ticks`: the connecting process and its start time, read when the
+        connection was accepted; a process already gone then (no start time) is never recorded as
+        the rank's: only a (pid, start time) pair is ever killed."""
         rank, world = msg.rank if msg.rank is not None else 0, msg.world_size or 1
+        if peer_pid is not None and peer_pid not in self.processes and len(self.processes) >= MAX_PROCESSES:
+            return False
         effects = self.coord.hello(rank, world, now, pid=peer_pid, epoch=msg.epoch, state=msg.state or "running",
                                    ram_refusal=msg.ram_refusal)
         r = self.coord.ranks.get(rank)
@@ -62,8 +75,8 @@ class RankTable:
         if old is not None and old is not conn:
             self.conns.pop(old, None)
         self.conns[conn], self.by_rank[rank] = rank, conn
-        if peer_pid is not None and peer_pid not in self.processes:
-            self.processes[peer_pid] = RankProcess(rank, peer_pid, processes.start_ticks(peer_pid))
+        if peer_pid is not None and peer_ticks is not None and peer_pid not in self.processes:
+            self.processes[peer_pid] = RankProcess(rank, peer_pid, peer_ticks)
         self.restored[rank] = msg
         self.route(effects)
         other = next((h for r, h in sorted(self.restored.items()) if h.restored_seq != msg.restored_seq), None)

@@ -162,12 +162,13 @@ class CoordServer:
             except OSError:
                 return
             pid, uid, _gid = peer(conn)
+            ticks = processes.start_ticks(pid) if pid else None    # now: with the pid, names it for good
             if uid != me:
                 conn.close()
                 continue
-            threading.Thread(target=self._read, args=(conn, pid), daemon=True, name="gpuswap-coord-rank").start()
+            threading.Thread(target=self._read, args=(conn, pid, ticks), daemon=True, name="gpuswap-coord-rank").start()
 
-    def _read(self, conn: socket.socket, pid: int) -> None:
+    def _read(self, conn: socket.socket, pid: int, ticks: Optional[int] = None) -> None:
         from gpuswap.protocol import messages, records   # the gate (pydantic): only when coordinating
 
         try:
@@ -184,7 +185,7 @@ class CoordServer:
                 with self.lock:
                     now = time.time()
                     if isinstance(msg, records.Hello):
-                        if (msg.world_size or 1) == 1 or not self.table.hello(conn, msg, pid, now):
+                        if (msg.world_size or 1) == 1 or not self.table.hello(conn, msg, pid, now, ticks):
                             _log(f"refused a control connection (pid {pid}): rank {msg.rank} of "
                                  f"{msg.world_size or 1}, or a rank already connected")
                             break
