@@ -3,7 +3,9 @@ job's state in words. Below the CLI (cli/render.py builds its tables on it) so t
 the CLI runs, `gpuswap demo` and `gpuswap selftest`, use it without importing the CLI back.
 
 Text a user or the machine chose goes to rich as a `Text` (`plain`), never as markup (cli/render.py
-says why).
+says why), and with its control characters shown, not sent (`printable`): a job's name, command or
+output-derived reason is another user's words on an admin's terminal, and an escape sequence in
+them would set its title, clear it, or worse.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from gpuswap.jobs import ENDED, format_size
+from gpuswap.printable import printable
 
 console = Console(highlight=False)
 if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
@@ -20,8 +23,8 @@ if not console.is_terminal:          # piped or captured: do not wrap records at
 
 
 def plain(value: Any, style: str = "") -> Text:
-    """A value shown verbatim: rich markup in it is text, not style."""
-    return Text("" if value is None else str(value), style=style)
+    """A value shown verbatim: rich markup in it is text, not style; control characters are escaped."""
+    return Text("" if value is None else printable(str(value)), style=style)
 
 
 def residue_text(j: dict[str, Any]) -> str:

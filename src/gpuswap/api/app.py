@@ -135,9 +135,9 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         oldest above it. X-Next-Before / X-Next-After say where the next page starts, if any."""
         if all_users and not who.admin:
             raise HTTPException(403, "only admins can list every user's jobs")
-        user = None if all_users else who.user
-        jobs, more = store.page(user, limit, before=before, after=after, max_bytes=PAGE_ARGV_BYTES)
-        response.headers.update(page_headers(more, jobs, after, store.count(user)))
+        uid = None if all_users else who.uid
+        jobs, more = store.page(uid, limit, before=before, after=after, max_bytes=PAGE_ARGV_BYTES)
+        response.headers.update(page_headers(more, jobs, after, store.count(uid)))
         now = time.time()
         return [job_record(j, now, gpus_simulated=gpus.simulated, wait=controller.wait_of(j)) for j in jobs]
 

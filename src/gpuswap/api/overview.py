@@ -97,7 +97,7 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
         "residue": [{"job": j.id, "bytes": n} for j, n in kept.get((g.node, g.index), [])],
     } for g in devices]
     jobs = [job_summary(j, who, now, controller.wait_of(j)) for j in live]
-    finished = store.recent_finished(None if who.admin else who.user, RECENT_FINISHED)
+    finished = store.recent_finished(None if who.admin else who.uid, RECENT_FINISHED)
     jobs += [job_summary(j, who, now, None) for j in finished]
     tiers = {"ram": 0, "disk": 0}
     for j in live:

@@ -59,8 +59,10 @@ class TokenBook:
             return None
         return TokenOwner(uid=int(rows[0]["uid"]), user=str(rows[0]["user"]))
 
-    def list(self, user: Optional[str] = None) -> list[dict[str, Any]]:
-        return [public(r) for r in self.store.tokens() if user is None or r["user"] == user]
+    def list(self, uid: Optional[int] = None) -> list[dict[str, Any]]:
+        """Every token, or those that act as `uid` (by uid: a new account under an old name is
+        not the old account)."""
+        return [public(r) for r in self.store.tokens() if uid is None or int(r["uid"]) == uid]
 
     def revoke(self, token_id: str) -> bool:
         return self.store.delete_token(token_id)

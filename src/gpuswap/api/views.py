@@ -12,6 +12,7 @@ from gpuswap.node.residue import kept_now
 from gpuswap.node.store import Event, JobRecord
 from gpuswap.policy.estimate import Estimate, remaining
 from gpuswap.policy.model import Wait
+from gpuswap.printable import printable
 
 
 class SubmitRequest(BaseModel):
@@ -49,6 +50,15 @@ class SubmitRequest(BaseModel):
         if not argv[0].strip():
             raise ValueError("the command name (argv[0]) is empty")
         return argv
+
+    @field_validator("name")
+    @classmethod
+    def _name_printable(cls, name: Optional[str]) -> Optional[str]:
+        # A name is a label others see in listings: control characters in it can only be an attack
+        # on their terminals (printable.py). A command may hold them; it is shown escaped.
+        if name is not None and printable(name) != name:
+            raise ValueError("name contains control characters (escape sequences, newlines, tabs, ...)")
+        return name
 
     @model_validator(mode="after")
     def _within_size_limits(self) -> "SubmitRequest":

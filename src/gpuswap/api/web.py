@@ -118,11 +118,11 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
 
     @app.get("/v1/tokens")
     def list_tokens(who: Caller = Depends(caller)) -> list[dict[str, Any]]:
-        return book.list(None if who.admin else who.user)
+        return book.list(None if who.admin else who.uid)
 
     @app.delete("/v1/tokens/{token_id}")
     def revoke_token(token_id: Annotated[str, Path(max_length=64)], who: Caller = Depends(caller)) -> dict[str, Any]:
-        mine = [t for t in book.list(None if who.admin else who.user) if t["id"] == token_id]
+        mine = [t for t in book.list(None if who.admin else who.uid) if t["id"] == token_id]
         if not mine or not book.revoke(token_id):
             raise HTTPException(404, f"no token {token_id}")
         return {"revoked": token_id}

@@ -15,6 +15,7 @@ from gpuswap.api.client import Client, ClientError
 from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
 from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_USAGE
 from gpuswap.jobs import parse_size, parse_time_limit
+from gpuswap.printable import printable
 
 LS_DEFAULT = 100
 
@@ -257,7 +258,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
             "priority": a.priority, "gpus": a.gpus, "mem": a.mem, "preemptible": not a.no_preempt,
             "pause_mode": a.pause_mode, "time_limit_s": a.time}
     rec = _client().post("/v1/jobs", body)
-    _out(a, rec, lambda r: print(f"submitted job {r['id']} ({r['name']})"))
+    _out(a, rec, lambda r: print(printable(f"submitted job {r['id']} ({r['name']})")))
     return 0
 
 
@@ -324,9 +325,9 @@ def cmd_action(a: argparse.Namespace) -> int:
     body = {"to": a.to} if a.action == "pause" else None
     job = _client().post(f"/v1/jobs/{a.id}/{a.action}", body)
     if job.get("nothing_done"):     # already as asked: exit 0 (the state is what was wanted), but say so
-        print(f"gpuswap {a.action}: {job['nothing_done']}", file=sys.stderr)
+        print(printable(f"gpuswap {a.action}: {job['nothing_done']}"), file=sys.stderr)
     _out(a, job, lambda j: None if j.get("nothing_done") else
-         print(f"job {j['id']}: {_render().state_text(j)} — {j['reason']}"))
+         print(printable(f"job {j['id']}: {_render().state_text(j)} — {j['reason']}")))
     return 0
 
 
@@ -393,10 +394,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(str(e), file=sys.stderr)
+        print(printable(str(e)), file=sys.stderr)
         return EX_USAGE
     except ClientError as e:
-        print(f"gpuswap: {e}", file=sys.stderr)
+        print(printable(f"gpuswap: {e}"), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return EX_INTERRUPTED

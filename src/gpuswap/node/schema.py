@@ -294,6 +294,13 @@ def _kept_runs(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS kept_runs_user ON kept_runs(user, end_time)")
 
 
+# -- version 9: listings filter by uid (the identity the kernel gives, not a name) --------------
+# A user deleted and made again under the same name (another uid) listed the first one's jobs,
+# argv and all, while `show` (by uid) refused them: every listing now goes by uid.
+def _uid_index(db: sqlite3.Connection) -> None:
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_uid ON jobs(uid, id)")
+
+
 # Append only: step N at index N-1. A new column is a new step (an `ALTER TABLE ... ADD COLUMN`
 # with a default every existing row can take), and the code that reads it comes with it.
 STEPS: tuple[Step, ...] = (
@@ -309,6 +316,7 @@ STEPS: tuple[Step, ...] = (
          _bandwidths_by_node),
     Step(8, "kept_runs: completed jobs' run times, kept for the runtime predictor past the retention sweep",
          _kept_runs),
+    Step(9, "an index on jobs(uid, id): listings filter by uid", _uid_index),
 )
 LATEST = STEPS[-1].version
 

@@ -244,15 +244,16 @@ class Store:
         return [JobRecord.from_row(r) for r in rows]
 
     # -- bounded listings and retention (issue 10: many finished jobs must cost nothing) ----
-    def page(self, user: Optional[str], limit: int, before: Optional[int] = None,
+    def page(self, uid: Optional[int], limit: int, before: Optional[int] = None,
              after: Optional[int] = None, max_bytes: int = 1 << 62) -> tuple[list[JobRecord], bool]:
-        """At most `limit` jobs in id order, and no more argv bytes than `max_bytes` (at least one
+        """At most `limit` jobs (of `uid`: by the kernel's identity, never a name a new account
+        could take over) in id order, and no more argv bytes than `max_bytes` (at least one
         job): after `after` (the oldest first), else the newest below `before` (or the newest of
         all). Returns (jobs, more): whether jobs remain beyond the page in that direction."""
         where, args = ["1"], []
-        if user is not None:
-            where.append("j.user=?")
-            args.append(user)
+        if uid is not None:
+            where.append("j.uid=?")
+            args.append(uid)
         if after is not None:
             where.append("j.id>?")
             args.append(after)
@@ -286,20 +287,20 @@ class Store:
                 "ORDER BY j.id", ids).fetchall()
         return [JobRecord.from_row(r) for r in rows]
 
-    def count(self, user: Optional[str] = None) -> int:
+    def count(self, uid: Optional[int] = None) -> int:
         with self._lock:
-            if user is None:
+            if uid is None:
                 return int(self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
-            return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE user=?", (user,)).fetchone()[0])
+            return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE uid=?", (uid,)).fetchone()[0])
 
-    def recent_finished(self, user: Optional[str], n: int) -> list[JobRecord]:
-        """The `n` newest finished jobs (of `user`), oldest first, without their argv (summaries):
+    def recent_finished(self, uid: Optional[int], n: int) -> list[JobRecord]:
+        """The `n` newest finished jobs (of `uid`), oldest first, without their argv (summaries):
         read through the id index, so thousands of finished jobs cost no more than twenty."""
         sql = f"SELECT id FROM jobs WHERE state IN {_TERMINAL_SQL}"
         args: list[Any] = []
-        if user is not None:
-            sql += " AND user=?"
-            args.append(user)
+        if uid is not None:
+            sql += " AND uid=?"
+            args.append(uid)
         with self._lock:
             ids = [r[0] for r in self._db.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, n]).fetchall()]
         return self._records(ids, argv=False)
