@@ -87,6 +87,9 @@ def test_simulated_selftest_passes_and_says_nothing_real_was_measured(base):
     assert freeze["shell_pid"] != freeze["job_pid"]
     assert freeze["nvml_processes_before"] == [[freeze["job_pid"], GiB // 16]]
     assert (freeze["nvml_before"], freeze["nvml_during"], freeze["nvml_after"]) == (GiB // 16, 0, GiB // 16)
+    # the simulated driver makes no host copy: that check says so (n/a) instead of passing on nothing
+    [host] = [c for c in freeze["checks"] if c["name"].startswith("host RAM used")]
+    assert host["ok"] is None and "no host copy" in host["note"], host
     assert gpu["plain_copy"]["kind"].startswith("host memcpy") and gpu["plain_copy"]["nbytes"] == ram["parked_bytes"]
     assert not left_behind(base) and list(base.iterdir()) == []      # passed: its directory is gone
 
