@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 KiB = 1024
 MAX_BODY_BYTES = 1024 * KiB           # one request body (JSON as sent)
+MAX_HEADER_BYTES = 16 * KiB           # a request's headers, names and values together
 MAX_ARGV_ITEMS = 4096
 MAX_ARGV_BYTES = 256 * KiB            # sum of the UTF-8 arguments, each with its NUL
 MAX_ENV_VARS = 4096
@@ -67,7 +68,9 @@ def check_command(argv: list[str], env: dict[str, str]) -> None:
 
 class BodyLimit:
     """Pure ASGI middleware: a body over `limit` bytes is a 413 before it is read, from its
-    Content-Length, or (chunked, or a lying length) as soon as the bytes received pass the limit."""
+    Content-Length, or (chunked, or a lying length) as soon as the bytes received pass the limit;
+    headers over MAX_HEADER_BYTES are a 431. (h11's own 16 KiB bound applies only to headers that
+    arrive in pieces: a 200 KB header read in one go passed it.)"""
 
     def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES):
         self.app, self.limit = app, limit
@@ -79,7 +82,13 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
+        headers = scope.get("headers", ())
+        if sum(len(name) + len(value) for name, value in headers) > MAX_HEADER_BYTES:
+            response = JSONResponse({"detail": f"request headers too large: the limit is {_size(MAX_HEADER_BYTES)}"},
+                                    431, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        for name, value in headers:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limit:
                     response = JSONResponse({"detail": self._too_large()}, 413, headers={"Connection": "close"})
