@@ -75,10 +75,19 @@ def tighten_jobs(home: Path, owner: Owner) -> int:
                 make_dir(path, DIR_MODE)               # a run directory: holds the control socket
                 for f in os.scandir(path):
                     if f.is_file(follow_symlinks=False):
-                        os.chmod(f.path, 0o600)
+                        _chmod_if_there(f.path, 0o600)
             elif sub.is_file():
-                os.chmod(path, 0o600)
+                _chmod_if_there(path, 0o600)
     return count
+
+
+def _chmod_if_there(path: str | Path, mode: int) -> None:
+    """chmod a run file a live supervisor may rename away meanwhile: its atomic writes' temporary
+    files come and go (`fsutil`), and a restart at that instant must not fail for one."""
+    try:
+        os.chmod(path, mode)
+    except FileNotFoundError:
+        pass
 
 
 def _private_file(path: Path, mode: int) -> None:
