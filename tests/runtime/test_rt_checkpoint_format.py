@@ -114,6 +114,28 @@ def test_only_two_newest_are_kept_and_orphans_ignored(tmp_path):
     assert not (tmp_path / "ckpt-000009.pt").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncate", "missing"])
+def test_a_damaged_checkpoint_is_not_kept_in_place_of_the_good_one_it_fell_back_to(tmp_path, damage):
+    """After a restore fell back past a truncated checkpoint, the next save kept the newest two
+    by number -- the new one and the truncated one -- and deleted the good one restored from; a
+    fault in the new one then left nothing to restore."""
+    _write(tmp_path, 10, 1.0)
+    bad = tmp_path / _write(tmp_path, 20, 2.0).payload
+    if damage == "truncate":
+        os.truncate(bad, bad.stat().st_size // 2)
+    else:
+        bad.unlink()
+    assert checkpoint.load_latest(tmp_path)[0].step == 10           # the fallback
+    newest = _write(tmp_path, 30, 3.0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ckpt-000001.json", "ckpt-000001.pt", "ckpt-000003.json", "ckpt-000003.pt"], names
+    data = bytearray((tmp_path / newest.payload).read_bytes())      # and the new one goes bad too
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / newest.payload).write_bytes(bytes(data))
+    info, loaded = checkpoint.load_latest(tmp_path)
+    assert info.step == 10 and loaded["user_state"] == {"v": 1.0}
+
+
 def test_no_checkpoint_at_all(tmp_path):
     assert checkpoint.load_latest(tmp_path) is None
     assert checkpoint.load_latest(tmp_path / "absent") is None

@@ -199,28 +199,43 @@ def _unlink(e: Path) -> None:
         pass
 
 
-def _manifest_files(raw: Any) -> tuple[int, list[str]] | None:
-    """(seq, data files) a manifest of either format names; None if it names none usable. Its
-    seq must be an int, as every writer writes it: a "3" or 1e999 is nobody's commit, and
-    counting it would prune a real checkpoint in its place."""
+def _manifest_files(raw: Any) -> tuple[int, list[str], dict[str, Any]] | None:
+    """(seq, data files, file -> the size the manifest says it has) a manifest of either format
+    names; None if it names none usable. Its seq must be an int, as every writer writes it: a
+    "3" or 1e999 is nobody's commit, and counting it would prune a real checkpoint in its place."""
     if not isinstance(raw, dict) or type(raw.get("seq")) is not int:
         return None
     try:
         seq = raw["seq"]
         if raw.get("format") == FORMAT_PARTS:
-            files = [str(p["file"]) for p in raw["parts"]]
+            sizes = {str(p["file"]): p.get("bytes") for p in raw["parts"]}
         else:
-            files = [str(raw["payload"])]
-    except (KeyError, TypeError, ValueError):
+            sizes = {str(raw["payload"]): raw.get("bytes")}
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    return seq, [f for f in files if re.fullmatch(r"ckpt-\d+\.(r\d+\.)?pt", f)]
+    files = [f for f in sizes if re.fullmatch(r"ckpt-\d+\.(r\d+\.)?pt", f)]
+    return seq, files, sizes
+
+
+def _sizes_match(d: Path, sizes: dict[str, Any]) -> bool:
+    """Every file the manifest names is there with the size it says: a cheap test (a stat per
+    file) that a truncated or missing payload fails, the usual damage; sha256 is for restores."""
+    for name, size in sizes.items():
+        try:
+            if type(size) is not int or os.lstat(d / name).st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _prune(d: Path, keep: int) -> None:
-    """Keep the newest `keep` committed checkpoints of either format and what their manifests
-    name; delete the other manifests, then every other data file up to the newest seq (older
-    payloads and parts, and orphan parts a crash left before their manifest). Data files of a
-    newer seq are a write in progress and are left alone."""
+    """Keep the newest `keep` committed checkpoints of either format whose files have the sizes
+    their manifests say, and what those manifests name; delete the other manifests, then every
+    other data file up to the newest seq (older payloads and parts, damaged ones, and orphan parts
+    a crash left before their manifest). Data files of a newer seq are a write in progress and are
+    left alone. A damaged checkpoint does not count among the kept: after a restore fell back past
+    a truncated one, the next save kept it and deleted the good one restored from."""
     committed = []
     for e in d.iterdir():
         if _MANIFEST.match(e.name):
@@ -231,9 +246,10 @@ def _prune(d: Path, keep: int) -> None:
             if named is not None and e.name == f"ckpt-{named[0]:06d}.json":
                 committed.append(named)
     committed.sort(key=lambda x: x[0], reverse=True)
-    live = {f"ckpt-{seq:06d}.json" for seq, _ in committed[:keep]}
-    live |= {f for _, files in committed[:keep] for f in files}
     newest = committed[0][0] if committed else 0
+    kept = [(seq, files) for seq, files, sizes in committed if _sizes_match(d, sizes)][:keep]
+    live = {f"ckpt-{seq:06d}.json" for seq, _ in kept}
+    live |= {f for _, files in kept for f in files}
     # Manifests first: a crash mid-prune must never leave a manifest pointing at a deleted payload.
     for e in sorted(d.iterdir(), key=lambda e: not e.name.endswith(".json")):
         m = re.match(r"^ckpt-(\d+)\.(pt|json|r\d+\.pt)$", e.name)
