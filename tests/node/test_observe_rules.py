@@ -48,11 +48,12 @@ ENDED = dict(assigned=[], stopped=False, desired="running", desired_tier=None, p
 
 
 def seen(runtime: Optional[dict] = None, exit: Optional[dict] = None, alive: bool = True, stopped: bool = False,
-         spawned_at: Optional[float] = T - 100, **status: Any) -> Observation:
+         spawned_at: Optional[float] = T - 100, delivered: Optional[float] = T - 100, **status: Any) -> Observation:
+    """`delivered`: when desired.json asked the supervisor for the pause (read only while PAUSING)."""
     st: dict[str, Any] = {"job_pid": 4242, "stopped": stopped, "runtime": runtime or {}, **status}
     if exit is not None:
         st["exit"] = exit
-    return Observation(st, alive, spawned_at)
+    return Observation(st, alive, spawned_at, pause_delivered_at=delivered)
 
 
 # (name, record, facts, rules, [(changes, kind, text, effects), ...] at T unless `at` given)
@@ -172,6 +173,10 @@ ROWS: list[tuple[str, JobRecord, Facts, Rules, list[tuple]]] = [
      Facts(seen({"attached": True})), RULES,
      [(dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), K.CANNOT_PARK,
        "cannot park (no safepoint reached within 30 s): left running; it will not be preempted", ())]),
+    ("no safepoint in time, but the request never reached the supervisor (a full disk): no timeout",
+     job(**dict(PAUSING, pause_requested_at=T - 31)), Facts(seen({"attached": True}, delivered=None)), RULES, []),
+    ("the request reached the supervisor late: its timeout runs from then",
+     job(**dict(PAUSING, pause_requested_at=T - 31)), Facts(seen({"attached": True}, delivered=T - 5)), RULES, []),
     ("never attached: left running", job(**PAUSING, attached=False, last_start=T - 31), Facts(seen({})), RULES,
      [(dict(state=R, no_runtime=True, hold=False, desired="running", desired_tier=None), K.CANNOT_PARK,
        "cannot park (no gpuswap runtime attached): left running; it will not be preempted", ())]),

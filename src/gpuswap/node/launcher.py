@@ -50,6 +50,10 @@ class Observation:
     status: Optional[dict[str, Any]]   # the supervisor's status.json, if written
     alive: bool                        # supervisor holds its lock
     spawned_at: Optional[float]        # when the daemon spawned this generation's supervisor
+    # When desired.json, as the supervisor reads it, last asked for a pause (its mtime); None when
+    # it does not ask for one. A pause recorded but not yet written (a full disk) has not reached
+    # the supervisor: its timeout must not run (observe.py).
+    pause_delivered_at: Optional[float] = None
 
     # The status file's values reach SQLite: read them only through these, which validate
     # (protocol/status.py); the runtime facts came from the job.
@@ -174,6 +178,7 @@ class Launcher:
             status=read_json(run / rundir.STATUS),
             alive=_lock_held(run / rundir.LOCK),
             spawned_at=spawned.time if spawned else None,
+            pause_delivered_at=_pause_delivered_at(run),
         )
 
     def forget(self, job_id: int) -> bool:
@@ -267,6 +272,15 @@ def _supplementary_groups(uid: int, gid: int) -> list[int]:
         return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
     except KeyError:
         return [gid]
+
+
+def _pause_delivered_at(run: Path) -> Optional[float]:
+    try:
+        written = os.stat(run / rundir.DESIRED).st_mtime
+    except OSError:
+        return None
+    desired = rundir.read_desired(run)
+    return written if desired is not None and desired.run == "paused" else None
 
 
 def _lock_held(path: Path) -> bool:

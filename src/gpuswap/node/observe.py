@@ -172,7 +172,11 @@ def _pausing(job: JobRecord, rt: RuntimeFacts, obs: Observation, kept: Mapping[i
         # running as it was (groups torn down), and the supervisor's coordinator bounds each
         # phase by the same timeout, ending the job with the reason (runtime/ranktable.py).
         return None
-    asked_for = now - (job.pause_requested_at or now)
+    # The timeout runs from when the request reached the supervisor (desired.json asks for the
+    # pause), not from when it was recorded: a request the daemon could not write (a full disk)
+    # blamed the job for reaching no safepoint and marked it unparkable for good.
+    delivered = obs.pause_delivered_at
+    asked_for = 0.0 if delivered is None else now - max(job.pause_requested_at or now, delivered)
     never_attached = not rt.attached and now - (job.last_start or now) > rules.attach_grace_s
     if asked_for <= rules.pause_timeout_s and not never_attached:
         return None
