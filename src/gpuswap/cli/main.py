@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from gpuswap.api.client import Client, ClientError
 from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
-from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_USAGE
+from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.jobs import parse_size, parse_time_limit
 from gpuswap.printable import printable
 
@@ -305,12 +305,33 @@ def cmd_logs(a: argparse.Namespace) -> int:
             time.sleep(0.5)
 
 
+# How long `wait` keeps asking a daemon that went away (a restart: `systemctl restart`, a crash and
+# its unit's Restart=) before it says so with 69. The job's state is kept across a restart, and
+# asking for it is safe to repeat: a script waiting on a job must not fail because the daemon did.
+WAIT_REDIAL_S = 120.0
+
+
 def cmd_wait(a: argparse.Namespace) -> int:
     client = _client()
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    gone_since: Optional[float] = None
     while True:
         left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        job = client.get(f"/v1/jobs/{a.id}/wait", params={"timeout": min(30.0, left)})
+        try:
+            job = client.get(f"/v1/jobs/{a.id}/wait", params={"timeout": min(30.0, left)})
+        except ClientError as e:
+            now = time.monotonic()
+            if e.exit_code != EX_UNAVAILABLE or (gone_since is not None and now - gone_since > WAIT_REDIAL_S):
+                raise
+            if gone_since is None:
+                gone_since = now
+                print(printable(f"gpuswap wait: {e}; waiting up to {WAIT_REDIAL_S:g} s for it to come back"),
+                      file=sys.stderr)
+            if deadline is not None and now >= deadline:
+                raise
+            time.sleep(1.0)
+            continue
+        gone_since = None
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             _out(a, job, lambda j: None)
             if job["exit_code"] is not None:
