@@ -171,9 +171,29 @@ def test_a_bad_config_file_is_one_line_naming_file_and_key(tmp_path, text, says)
 def test_a_named_file_must_exist_and_be_a_file(tmp_path):
     for args, env, says in ((["--config", str(tmp_path / "no.toml")], {}, f"{tmp_path / 'no.toml'}: no such config file"),
                             ([], {"GPUSWAP_CONFIG": str(tmp_path / "env.toml")}, f"{tmp_path / 'env.toml'}: no such config file"),
-                            (["--config", str(tmp_path)], {}, "is a directory, not a config file")):
+                            (["--config", str(tmp_path)], {}, "is a directory, not a config file"),
+                            (["--config", "~no-such-user-gs/g.toml"], {}, "cannot expand '~no-such-user-gs'")):
         r = server("--simulate-gpus", "1", *args, home=tmp_path / "h", env=env)
         assert r.returncode == 64 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_dcgm_mapping_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path):
+    """Accepted, it failed every write of the mapping, with a traceback in the log every 2 s."""
+    a_file = write(tmp_path / "file", "")
+    for where, more, says in (
+            (a_file, (), f"--dcgm-job-mapping-dir '{a_file}' is not a directory"),
+            (a_file, ("--print-config",), f"--dcgm-job-mapping-dir '{a_file}' is not a directory"),
+            (a_file / "x", (), f"--dcgm-job-mapping-dir '{a_file / 'x'}': cannot make the directory: Not a directory"),
+            ("x" * 300, (), f"--dcgm-job-mapping-dir '{'x' * 300}': cannot make the directory: File name too long"),
+            ("~no-such-user-gs/x", ("--print-config",), "--dcgm-job-mapping-dir '~no-such-user-gs/x': cannot expand "
+                                                        "'~no-such-user-gs': no such user's home directory")):
+        r = server("--simulate-gpus", "1", "--no-calibrate", "--dcgm-job-mapping-dir", str(where), *more,
+                   home=tmp_path / "h")
+        assert r.returncode == 64 and r.stderr == f"gpuswap server: {says}\n", (r.returncode, r.stderr)
+    conf = write(tmp_path / "g.toml", f"dcgm-job-mapping-dir = {str(a_file)!r}\n")
+    r = server("--config", str(conf), "--print-config", home=tmp_path / "h")
+    assert r.returncode == 64 and r.stderr == f"gpuswap server: {conf}: dcgm-job-mapping-dir {str(a_file)!r} is not a directory\n"
     assert not (tmp_path / "h").exists()
 
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuswap.jobs import JobState
 from webtools import Web, start_web, web  # noqa: F401  (fixture)
 
-from gpuswap_testing import Gate, forever
+from gpuswap_testing import FACT_TIMEOUT_S, Gate, forever
 
 
 def train_cmd(out, steps: int, step_time: float) -> list[str]:
@@ -247,6 +247,36 @@ def test_dcgm_job_mapping_files_follow_the_jobs(make_daemon, tmp_path):
     _file_becomes(mapdir / str(1 - gpu), "")
     web.daemon.cli("cancel", str(job))
     _file_becomes(mapdir / str(gpu), "")
+
+
+def test_a_dcgm_mapping_that_cannot_be_written_is_logged_once_until_it_can(make_daemon, tmp_path):
+    """It used to log a traceback on every pass (every 2 s) for as long as the failure lasted.
+    GPU 1's file made a directory fails every pass after GPU 0's file is written: a change of GPU
+    0's file is a pass, so the test knows two failing passes came after the first was logged."""
+    mapdir = tmp_path / "dcgm"
+    d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--dcgm-job-mapping-dir", str(mapdir))
+    _file_becomes(mapdir / "1", "")
+    (mapdir / "1").unlink()
+    (mapdir / "1").mkdir()
+    log = d.home / "daemon.out"
+    failed = f"cannot write the dcgm-exporter job mapping to {mapdir}: Is a directory"
+    _log_says(log, failed)
+    job = d.submit(forever(d.home), name="mapped", gpus=2)
+    _file_becomes(mapdir / "0", f"{job}\n")              # a pass after the first failure
+    d.cli("cancel", str(job))
+    _file_becomes(mapdir / "0", "")                       # and another
+    (mapdir / "1").rmdir()
+    _file_becomes(mapdir / "1", "")
+    _log_says(log, f"writing the dcgm-exporter job mapping to {mapdir} works again")
+    text = log.read_text()
+    assert text.count("dcgm-exporter") == 2 and "Traceback" not in text, text
+
+
+def _log_says(path, line: str, timeout: float = FACT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in path.read_text():
+        assert time.monotonic() < deadline, path.read_text()
+        time.sleep(0.2)
 
 
 def test_a_home_from_before_the_initiator_column_is_migrated_and_folded(tmp_path):

@@ -76,6 +76,12 @@ def cmd_server(a: argparse.Namespace) -> int:
         print("gpuswap server: --simulate-gpus names this machine's GPUs; with --ray each node's agent has its "
               "own (GPUSWAP_AGENT_SIMULATE_GPUS in that node's environment, docs/ray.md)", file=sys.stderr)
         return EX_USAGE
+    if opts.dcgm_job_mapping_dir is not None and not opts.ray:    # with --ray none is kept (daemon.py)
+        try:       # now, not in the writer's first pass: a daemon that cannot write there does not start
+            settings.make_directory(opts.dcgm_job_mapping_dir, "--dcgm-job-mapping-dir")
+        except settings.SettingsError as e:
+            print(f"gpuswap server: {e}", file=sys.stderr)
+            return EX_USAGE
     try:
         serve(home, opts, frontend(opts.admin_group))
     except DaemonUnavailable as e:

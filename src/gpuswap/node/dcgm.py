@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from gpuswap.fsutil import atomic_write_bytes
 from gpuswap.node.store import JobRecord
@@ -47,6 +47,7 @@ class MappingWriter:
     def __init__(self, directory: Path, live_jobs: Callable[[], list[JobRecord]],
                  gpu_indices: Callable[[], list[int]], period_s: float = 2.0):
         self.directory, self.live_jobs, self.gpu_indices, self.period_s = directory, live_jobs, gpu_indices, period_s
+        self._failure: Optional[tuple[str, Optional[int]]] = None   # the last pass's error: type, errno
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcgm-mapping", daemon=True)
 
@@ -59,8 +60,24 @@ class MappingWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                write_mapping(self.directory, mapping(self.live_jobs(), self.gpu_indices()))
-            except Exception:   # a full disk must not take the daemon down; retried next pass
-                log.exception("writing dcgm-exporter job mapping to %s failed", self.directory)
+            self.write_once()
             self._stop.wait(self.period_s)
+
+    def write_once(self) -> None:
+        """One pass. A failure (a full disk, the directory replaced by a file) must not take the
+        daemon down, and is retried every pass; it is logged when it starts or changes kind, and
+        its end once, not on every pass: a failure that lasts would otherwise fill the log."""
+        try:
+            write_mapping(self.directory, mapping(self.live_jobs(), self.gpu_indices()))
+        except Exception as e:
+            kind = (type(e).__name__, getattr(e, "errno", None))   # not the text: it may name a temporary file
+            if kind != self._failure:
+                self._failure = kind
+                log.error("cannot write the dcgm-exporter job mapping to %s: %s (retried every %g s; "
+                          "logged again when it works or fails otherwise)", self.directory,
+                          (e.strerror or e) if isinstance(e, OSError) else repr(e), self.period_s,
+                          exc_info=not isinstance(e, OSError))    # not an OSError: a bug, its traceback once
+        else:
+            if self._failure is not None:
+                self._failure = None
+                log.warning("writing the dcgm-exporter job mapping to %s works again", self.directory)

@@ -172,9 +172,34 @@ def _ray_address(raw: Any, name: str) -> str:
 
 
 def _directory(raw: Any, name: str) -> Path:
+    """A directory, or a path where one can be made (by `make_directory` at start): anything else
+    there (a file) would fail every write the daemon makes into it, for as long as it runs."""
     if not _string(raw, name).strip():
         raise ValueError(f"{name} must name a directory, not an empty string")
-    return Path(raw).expanduser()
+    path = _expand(raw, name)
+    if os.path.exists(path) and not os.path.isdir(path):   # os.path: False, not OSError, for a name too long
+        raise ValueError(f"{name} {raw!r} is not a directory")
+    return path
+
+
+def _expand(raw: str, name: str) -> Path:
+    """The path, with ~ and ~USER expanded: ValueError for a user with no home directory."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{name} {raw!r}: cannot expand {raw.split('/')[0]!r}: no such user's home directory") from None
+
+
+def make_directory(path: Path, name: str) -> None:
+    """Make a directory setting's directory (and its parents) where the daemon will write, before
+    it starts: SettingsError (exit 64) if that cannot be done."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:      # ValueError: a NUL in a TOML string
+        raise SettingsError(f"{name} {str(path)!r}: cannot make the directory: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingsError(f"{name} {str(path)!r}: the directory is not writable by this user")
 
 
 # -- how values read back, as TOML literals (`gpuswap server --print-config`) ----------------------
@@ -335,10 +360,13 @@ def default_text(spec: Spec, default: Any) -> str:
 def config_file(given: Optional[str], env: Mapping[str, str], home: Path, system_home: Path) -> tuple[Optional[Path], bool]:
     """(path, must_exist): `--config`, else $GPUSWAP_CONFIG (both must exist), else the default
     for this state directory (read only if it exists)."""
-    if given is not None:
-        return Path(given).expanduser(), True
-    if env.get(envvars.CONFIG):
-        return Path(env[envvars.CONFIG]).expanduser(), True
+    try:
+        if given is not None:
+            return _expand(given, "--config"), True
+        if env.get(envvars.CONFIG):
+            return _expand(env[envvars.CONFIG], f"${envvars.CONFIG}"), True
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     return (SYSTEM_CONFIG if home == system_home else home / CONFIG_NAME), False
 
 
