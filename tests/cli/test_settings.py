@@ -154,6 +154,11 @@ BAD_FILES = [
     ('retention = "soon"\n', "retention: cannot read 'soon' as a duration"),
     ('no-runtime = "kill"\n', "no-runtime 'kill' must be one of: wait, sigstop"),
     ("min-runtime = \n", "not valid TOML: "),
+    # tomllib parses nesting recursively: deep enough, a RecursionError, not a TOMLDecodeError
+    pytest.param("x = " + "[" * 5000 + "]" * 5000 + "\n", "not valid TOML: arrays or tables nested too deeply",
+                 id="arrays nested 5000 deep"),
+    pytest.param("x = " + "{a=" * 5000 + "1" + "}" * 5000 + "\n", "not valid TOML: arrays or tables nested too deeply",
+                 id="inline tables nested 5000 deep"),
 ]
 
 
@@ -176,6 +181,14 @@ def test_a_named_file_must_exist_and_be_a_file(tmp_path):
         r = server("--simulate-gpus", "1", *args, home=tmp_path / "h", env=env)
         assert r.returncode == 64 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "h").exists()
+
+
+def test_a_default_file_nested_too_deeply_is_one_line(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+    conf = write(home / "gpuswap.toml", "x = " + "[" * 5000 + "]" * 5000 + "\n")
+    r = server("--print-config", home=home)
+    assert r.returncode == 64 and r.stderr == f"gpuswap server: {conf}: not valid TOML: arrays or tables nested too deeply\n", r.stderr
 
 
 def test_a_dcgm_mapping_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path):

@@ -397,6 +397,8 @@ def read_file(path: Optional[Path], must_exist: bool) -> dict[str, Any]:
         raise SettingsError(f"{path}: cannot read the config file: {e.strerror or e}") from None
     except ValueError as e:      # tomllib.TOMLDecodeError, or bytes that are not UTF-8
         raise SettingsError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:       # tomllib parses nested arrays and inline tables recursively
+        raise SettingsError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
 
 
 def _check_owner(path: Path, st: os.stat_result) -> None:
