@@ -191,6 +191,21 @@ def test_a_default_file_nested_too_deeply_is_one_line(tmp_path):
     assert r.returncode == 64 and r.stderr == f"gpuswap server: {conf}: not valid TOML: arrays or tables nested too deeply\n", r.stderr
 
 
+def test_a_config_file_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO would block the open (and the read) until some writer came; a device may never end."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo, 0o600)
+    home = tmp_path / "h"
+    home.mkdir()
+    os.mkfifo(home / "gpuswap.toml", 0o600)       # the default file, read only if it exists
+    for args, path in ((["--config", str(fifo)], fifo), (["--config", "/dev/zero"], "/dev/zero"),
+                       ([], home / "gpuswap.toml")):
+        r = server("--simulate-gpus", "1", *args, "--print-config", home=home)
+        assert r.returncode == 64, (r.returncode, r.stderr)
+        assert r.stderr == f"gpuswap server: {path}: not a regular file (a FIFO, socket or device), not a config file\n"
+    assert os.listdir(home) == ["gpuswap.toml"]
+
+
 def test_a_dcgm_mapping_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path):
     """Accepted, it failed every write of the mapping, with a traceback in the log every 2 s."""
     a_file = write(tmp_path / "file", "")

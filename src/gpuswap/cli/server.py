@@ -20,8 +20,9 @@ config file:
   The file is --config PATH, else ${envvars.CONFIG}, else {settings.SYSTEM_CONFIG} for the
   machine-wide daemon (state directory /var/lib/gpuswap) or $GPUSWAP_HOME/{settings.CONFIG_NAME} for any
   other; a file named by --config or ${envvars.CONFIG} must exist, the default is read only if it
-  does. It must be writable by its owner only, root or the daemon's user. An unknown key or a bad
-  value is a usage error (exit 64) that names the file and the key.
+  does. It must be a regular file (not a FIFO or a device), writable by its owner only, root or
+  the daemon's user. An unknown key or a bad value is a usage error (exit 64) that names the file
+  and the key.
   `gpuswap server --print-config` prints the settings in force as such a file.
 
 stopping:

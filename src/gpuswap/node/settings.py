@@ -23,7 +23,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 from gpuswap.jobs import parse_size
 from gpuswap.policy import DEFAULT_POLICY, LIVE_POLICIES, POLICIES
@@ -382,8 +382,7 @@ def read_file(path: Optional[Path], must_exist: bool) -> dict[str, Any]:
         except ModuleNotFoundError:
             tomllib = None
     try:
-        with open(path, "rb") as f:
-            _check_owner(path, os.fstat(f.fileno()))
+        with _open_config(path) as f:
             if tomllib is None:
                 raise SettingsError(f"{path}: reading a config file needs Python 3.11+ or the tomli package")
             return tomllib.load(f)
@@ -391,14 +390,30 @@ def read_file(path: Optional[Path], must_exist: bool) -> dict[str, Any]:
         if must_exist:
             raise SettingsError(f"{path}: no such config file") from None
         return {}
-    except IsADirectoryError:
-        raise SettingsError(f"{path}: is a directory, not a config file") from None
     except OSError as e:
         raise SettingsError(f"{path}: cannot read the config file: {e.strerror or e}") from None
     except ValueError as e:      # tomllib.TOMLDecodeError, or bytes that are not UTF-8
         raise SettingsError(f"{path}: not valid TOML: {e}") from None
     except RecursionError:       # tomllib parses nested arrays and inline tables recursively
         raise SettingsError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
+
+
+def _open_config(path: Path) -> BinaryIO:
+    """The config file, open, once it is known to be a regular file that only its owner may write.
+    O_NONBLOCK: a FIFO (or a device) opens at once rather than waiting for a writer, and is then
+    refused by what fstat says of the very file opened, before anything is read from it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise SettingsError(f"{path}: is a directory, not a config file")
+        if not stat.S_ISREG(st.st_mode):
+            raise SettingsError(f"{path}: not a regular file (a FIFO, socket or device), not a config file")
+        _check_owner(path, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def _check_owner(path: Path, st: os.stat_result) -> None:
