@@ -126,6 +126,45 @@ def test_top_once_does_not_offer_a_key_it_does_not_read(daemon):
 
 
 # -- 5: the demo ----------------------------------------------------------------------------------
+def test_demo_refuses_too_few_steps_before_doing_anything(tmp_path):
+    """With fewer steps the long job ended before the urgent job could pause it, and the demo,
+    after its whole run, failed with "demo failed: 'no RESUMING event'"."""
+    from gpuswap.demo.story import MIN_STEPS
+
+    assert MIN_STEPS == 167      # the 5 s --min-runtime floor at 0.03 s a step, rounded up
+    env = dict(os.environ, GPUSWAP_HOME=str(tmp_path / "base"))
+    for steps in ("-5", "0", "80", str(MIN_STEPS - 1)):
+        r = gpuswap("demo", "--steps", steps, env=env)
+        assert r.returncode == 64 and r.stdout == "", r
+        assert r.stderr == (f"gpuswap demo: --steps {steps}: the long job needs at least {MIN_STEPS} (0.03 s "
+                            "each) to outlast the 5 s after its start in which no job is paused (--min-runtime)\n")
+    assert not (tmp_path / "base").exists()          # refused before its directory was made
+
+
+def test_demo_says_in_one_line_when_its_story_did_not_happen():
+    """The jobs' event logs as the demo reads them: a long job that ended while it was being parked
+    (as one of 80 steps did), or before, is the story not shown, never a KeyError."""
+    from gpuswap.demo.story import NoStory, timeline
+
+    def events(*states):
+        return [{"state": s, "time": float(t)} for t, s in enumerate(states)]
+
+    urgent = events("PENDING", "RUNNING", "COMPLETED")
+    told = timeline(urgent, "COMPLETED", events("PENDING", "RUNNING", "PAUSING", "PAUSED", "RESUMING",
+                                                "RUNNING", "COMPLETED"), "COMPLETED")
+    assert told == (1.0, 2.0, 1.0)
+    for long_events, says in (
+            (events("PENDING", "RUNNING", "PAUSING", "COMPLETED"),
+             "the long job ended COMPLETED before it was parked for the urgent job; it is too short"),
+            (events("PENDING", "RUNNING", "FAILED"), "the long job ended FAILED before it was parked"),
+            (events("PENDING", "RUNNING", "PAUSING", "PAUSED", "CANCELLED"),
+             "the long job was parked, then ended CANCELLED without resuming")):
+        with pytest.raises(NoStory, match=says):
+            timeline(urgent, "COMPLETED", long_events, long_events[-1]["state"])
+    with pytest.raises(NoStory, match="the urgent job never ran"):
+        timeline(events("PENDING", "CANCELLED"), "CANCELLED", events("PENDING", "RUNNING"), "RUNNING")
+
+
 @pytest.mark.timeout(900)   # the whole demo: a reference run, a daemon, two jobs (minutes on a loaded machine)
 def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
     base = home / "chosen"     # short: the daemon's Unix socket path is limited to 108 bytes

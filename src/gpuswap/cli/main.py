@@ -181,7 +181,9 @@ def _add_own(sub: Any) -> None:
     s = sub.add_parser("demo", help="an urgent job takes a busy GPU; the long job resumes exactly")
     s.add_argument("--keep", action="store_true",
                    help="keep the demo's state directory (made inside $GPUSWAP_HOME when set, else in /tmp)")
-    s.add_argument("--steps", type=int, default=400, metavar="N", help="training steps of the long job")
+    s.add_argument("--steps", type=int, default=400, metavar="N",
+                   help="training steps of the long job: it must outlast its protection after start "
+                        "(--min-runtime) for the urgent job to pause it, so too few are refused")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("selftest", help="prove on this machine's GPUs, under a private daemon, that jobs park "
@@ -358,8 +360,11 @@ def cmd_gpus(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from gpuswap.demo.story import run_demo
+    from gpuswap.demo.story import run_demo, steps_problem
 
+    problem = steps_problem(a.steps)     # before the reference run, not after the whole demo
+    if problem:
+        raise UsageError(f"gpuswap demo: {problem}")
     return run_demo(keep=a.keep, steps=a.steps)
 
 

@@ -8,6 +8,7 @@ bitwise-equal to an uninterrupted run made first, outside gpuswap.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from typing import Any, Optional
 from rich.markup import escape
 
 from gpuswap.api.client import Client, ClientError
+from gpuswap.policy.model import PolicyConfig
 from gpuswap.protocol import env as envvars
 from gpuswap.terminal import console, state_text
 
@@ -40,6 +42,27 @@ def real_gpu_count() -> int:
 # The policy's defaults: a job that parks in a second is protected only a few seconds after it
 # starts (cost-aware protection, docs/policies.md), so the urgent job gets the GPU in seconds.
 DEMO_DAEMON_ARGS = ("--pause-timeout", "30")
+STEP_TIME_S = 0.03          # the long job's sleep per step
+# No job is paused within the policy's --min-runtime (5 s) of its start, whatever it costs to park:
+# a long job that sleeps through its steps in less has always ended before the urgent job could
+# take its GPU, and the story cannot happen (with a few more, it can, on a fast enough machine).
+MIN_STEPS = math.floor(PolicyConfig().min_runtime_s / STEP_TIME_S) + 1
+
+
+def steps_problem(steps: int) -> Optional[str]:
+    """Why the story cannot happen with a long job of `steps` steps; None if it can."""
+    if steps < MIN_STEPS:
+        return (f"--steps {steps}: the long job needs at least {MIN_STEPS} ({STEP_TIME_S} s each) to outlast "
+                f"the {PolicyConfig().min_runtime_s:g} s after its start in which no job is paused (--min-runtime)")
+    return None
+
+
+TOO_SHORT = "; it is too short on this machine: give it more --steps"
+
+
+class NoStory(Exception):
+    """The jobs ran, but not as the story goes (the long job ended before it was parked): one
+    line, and the demo exits 1."""
 
 
 def start_private_daemon(home: Path, simulate: Optional[str], args: tuple[str, ...] = DEMO_DAEMON_ARGS,
@@ -139,9 +162,12 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         watch = Watch(client, t0)
         gpus = max(1, ngpus)
         long_id = client.post("/v1/jobs", {
-            "argv": train + ["--step-time", "0.03", "--out", str(home / "long.json")], "cwd": str(home),
+            "argv": train + ["--step-time", str(STEP_TIME_S), "--out", str(home / "long.json")], "cwd": str(home),
             "env": env, "name": "long", "priority": "low", "gpus": gpus, "mem": "20GiB"})["id"]
-        watch.until(long_id, lambda j: j["state"] == "RUNNING" and (j.get("step") or 0) >= steps // 8, 120)
+        running = watch.until(long_id, lambda j: j["state"] in TERMINAL
+                              or (j["state"] == "RUNNING" and (j.get("step") or 0) >= steps // 8), 120)
+        if running["state"] in TERMINAL:
+            raise NoStory(f"the long job ended {running['state']} before the urgent job came{TOO_SHORT}")
 
         console.print("3. an urgent job arrives")
         urgent_id = client.post("/v1/jobs", {
@@ -153,16 +179,17 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
 
         ev_urgent = client.get(f"/v1/jobs/{urgent_id}")["events"]
         ev_long = client.get(f"/v1/jobs/{long_id}")["events"]
-        waited = _first(ev_urgent, "RUNNING") - _first(ev_urgent, "PENDING")
-        took = _first(ev_urgent, urgent["state"]) - _first(ev_urgent, "PENDING")   # submit -> end
-        parked_for = _first(ev_long, "RESUMING") - _first(ev_long, "PAUSED")
+        waited, took, parked_for = timeline(ev_urgent, urgent["state"], ev_long, long_job["state"])
         parked = [e["reason"] for e in ev_long if e["state"] == "PAUSED"]
-        result = json.loads((home / "long.json").read_text())
+        try:
+            result = json.loads((home / "long.json").read_text())
+        except (OSError, ValueError):
+            raise NoStory(f"the long job ended {long_job['state']} without writing its result") from None
         same = result["sha256"] == reference["sha256"]
         console.print("\n[bold]summary[/bold]")
         console.print(f"  urgent job waited {waited:.2f} s for a GPU (submit → running), "
                       f"ended {urgent['state']} ({urgent['exit_code']}); {took:.1f} s in all")
-        console.print(f"  long job parked for {parked_for:.2f} s — {parked[0] if parked else 'never parked'}")
+        console.print(f"  long job parked for {parked_for:.2f} s — {parked[0]}")
         console.print(f"  long job ended {long_job['state']} after {long_job['preemptions']} preemption(s); "
                       f"final parameters {'EQUAL' if same else 'DIFFERENT'} to the uninterrupted run "
                       f"(sha256 {result['sha256'][:16]}… vs {reference['sha256'][:16]}…)")
@@ -171,6 +198,9 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
                           "memory; no GPU memory was involved)")
         ok = same and urgent["state"] == "COMPLETED" and long_job["state"] == "COMPLETED"
         return 0 if ok else 1
+    except NoStory as e:
+        console.print(f"[red]demo failed:[/red] the story could not be shown: {escape(str(e))}")
+        return 1
     except (RuntimeError, ClientError, subprocess.CalledProcessError, KeyError) as e:
         console.print(f"[red]demo failed:[/red] {escape(str(e))}")
         return 1
@@ -183,8 +213,21 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
             shutil.rmtree(home, ignore_errors=True)
 
 
-def _first(events: list[dict[str, Any]], state: str) -> float:
-    for e in events:
-        if e["state"] == state:
-            return float(e["time"])
-    raise KeyError(f"no {state} event")
+def timeline(ev_urgent: list[dict[str, Any]], urgent_state: str, ev_long: list[dict[str, Any]],
+             long_state: str) -> tuple[float, float, float]:
+    """(seconds the urgent job waited for a GPU, from its submission to its end, seconds the long
+    job was parked), from the jobs' event logs; NoStory when the logs do not tell the story."""
+    submitted, ran, ended = (_first(ev_urgent, s) for s in ("PENDING", "RUNNING", urgent_state))
+    if submitted is None or ran is None or ended is None:
+        raise NoStory(f"the urgent job never ran (it ended {urgent_state})")
+    paused, resumed = _first(ev_long, "PAUSED"), _first(ev_long, "RESUMING")
+    if paused is None:
+        raise NoStory(f"the long job ended {long_state} before it was parked for the urgent job{TOO_SHORT}")
+    if resumed is None:
+        raise NoStory(f"the long job was parked, then ended {long_state} without resuming")
+    return ran - submitted, ended - submitted, resumed - paused
+
+
+def _first(events: list[dict[str, Any]], state: str) -> Optional[float]:
+    """The time the job first entered `state`; None if it never did."""
+    return next((float(e["time"]) for e in events if e["state"] == state), None)
