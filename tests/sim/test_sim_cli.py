@@ -85,6 +85,34 @@ def test_python_m_gpuswap_sim_exits_64_on_a_bad_option(tmp_path):
         assert (p.returncode, p.stderr.strip(), p.stdout) == (64, message, "")
 
 
+def test_an_unusable_out_is_refused_before_simulating_and_a_failed_write_is_one_line(tmp_path):
+    """`--out` under a file used to end the whole simulation in a NotADirectoryError traceback."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,duration,num_gpus\n0,10,1\n5,20,1\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+
+    def sim(out):
+        return subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "sim", "--trace", str(trace), "--nodes", "1",
+                               "--out", out], capture_output=True, text=True, timeout=120)
+
+    for out, message in ((f"{a_file}/x", f"--out '{a_file}/x': cannot make the directory: Not a directory"),
+                         (str(a_file), f"--out '{a_file}' is not a directory"),
+                         ("", "--out must name a directory, not an empty string")):
+        p = sim(out)
+        assert (p.returncode, p.stderr, p.stdout) == (64, f"gpuswap sim: {message}\n", ""), p   # nothing simulated
+    out = tmp_path / "out"
+    (out / "summary.json").mkdir(parents=True)      # where the first result goes: it cannot be replaced
+    p = sim(str(out))
+    assert p.returncode == 1 and p.stderr == f"gpuswap sim: cannot write the results to {out}: Is a directory\n", p
+    assert "gpuswap" in p.stdout and "wrote" not in p.stdout        # simulated, then refused one line
+    made = tmp_path / "made" / "here"
+    assert sim(str(made)).returncode == 0 and (made / "summary.json").exists()
+
+
 def test_reserve_after_reaches_the_policy_and_the_summary(tmp_path, capsys):
     """`--reserve-after`: recorded in summary.json with the wide jobs' figures; `abc` is refused
     with exit 64 like any bad option."""

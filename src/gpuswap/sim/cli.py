@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -137,6 +138,22 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
         return f"--class-floor must be a share between 0 and 1 (below 1), got {floor}"
     if getattr(args, "estimates", "predicted") not in ESTIMATE_MODES:
         return f"unknown --estimates {args.estimates!r}; use {' or '.join(ESTIMATE_MODES)}"
+    if getattr(args, "out", None) == "":
+        return "--out must name a directory, not an empty string"
+    return None
+
+
+def _make_out(out: str) -> Optional[str]:
+    """Make the --out directory (and its parents) before simulating, not after: a run of minutes
+    must not end in an error about where its results go. What is wrong, or None."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except FileExistsError:
+        return f"--out {out!r} is not a directory"
+    except OSError as e:
+        return f"--out {out!r}: cannot make the directory: {e.strerror or e}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out!r}: the directory is not writable by this user"
     return None
 
 
@@ -181,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
                      gpus_per_node=args.gpus_per_node, limit=args.limit)
     except (TraceError, ValueError) as e:
         return _usage(str(e))
+    problem = _make_out(args.out) if args.out else None
+    if problem:
+        return _usage(problem)
     if trace.skipped:
         print(describe_skipped(trace), file=sys.stderr)
     if trace.rounded:
@@ -231,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
                 "promotion_spares_starved": config.promotion_spares_starved,
                 "multi_rank": "cooperative" if multi_rank else "none",
                 "estimates": "predicted" if estimates else "none"}
-        for path in write_outputs(args.out, summaries, results, meta):
+        try:
+            written = write_outputs(args.out, summaries, results, meta)
+        except OSError as e:    # the directory was fine before the run: a full disk, or it was removed
+            print(f"gpuswap sim: cannot write the results to {args.out}: {e.strerror or e}", file=sys.stderr)
+            return EX_FAILURE
+        for path in written:
             print(f"wrote {path}")
     return 0
