@@ -125,6 +125,14 @@ def test_top_once_does_not_offer_a_key_it_does_not_read(daemon):
     assert "q quits" not in r.stdout
 
 
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "1e400", "soon"])
+def test_top_with_an_interval_it_cannot_keep_is_a_usage_error_before_it_connects(tmp_path, interval):
+    """`inf` used to be a view that never refreshed, -1 and nan were taken silently."""
+    r = gpuswap("top", "--interval", interval, env=dict(os.environ, GPUSWAP_HOME=str(tmp_path)))   # no daemon: 69
+    says = "is not a number" if interval == "soon" else "must be a finite number > 0"
+    assert (r.returncode, r.stdout, r.stderr) == (64, "", f"gpuswap top: argument --interval: {interval!r} {says}\n")
+
+
 # -- 5: the demo ----------------------------------------------------------------------------------
 def test_demo_refuses_too_few_steps_before_doing_anything(tmp_path):
     """With fewer steps the long job ended before the urgent job could pause it, and the demo,

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Optional
 
 from gpuswap.api.client import Client, ClientError
+from gpuswap.cli.argtypes import seconds
 from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
 from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.jobs import parse_size, parse_time_limit
@@ -39,18 +40,6 @@ class Parser(argparse.ArgumentParser):
         if extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return ns, extra
-
-
-def _seconds(text: str) -> float:
-    """A finite, non-negative number (seconds, or a fraction): nan, inf and negatives are usage
-    errors, not values that silently mean 'forever' or 'never'."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return value
 
 
 def _count(text: str) -> int:
@@ -157,7 +146,7 @@ def _add_own(sub: Any) -> None:
 
     s = sub.add_parser("wait", help="wait for a job to end; exit with its exit code")
     s.add_argument("id", type=_job_id, help=id_help)
-    s.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 124)")
+    s.add_argument("--timeout", type=seconds, metavar="S", help="give up after S seconds (exit 124)")
     s.add_argument("--json", **json_flag)
     s.set_defaults(func=cmd_wait)
 

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuswap.api.client import ClientError
+from gpuswap.cli.argtypes import period
 from gpuswap.cli.render import duration, plain, reason_text
 from gpuswap.exitcodes import EX_UNAVAILABLE
 from gpuswap.jobs import format_size
@@ -33,7 +34,8 @@ STATE_STYLE = {"RUNNING": "green", "PAUSED": "yellow", "PAUSING": "yellow", "RES
 def register(sub: Any, client: Callable[[], Any]) -> None:
     s = sub.add_parser("top", help="live full-screen view of GPUs, jobs, parked memory and fair share")
     s.add_argument("--once", action="store_true", help="print one frame and exit")
-    s.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)")
+    s.add_argument("--interval", type=period, default=1.0, metavar="S",
+                   help="refresh period in seconds, at least 0.2 (default 1 s)")
     s.set_defaults(func=lambda a: run(a, client))
 
 
