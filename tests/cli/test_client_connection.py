@@ -89,6 +89,30 @@ def test_a_post_on_a_connection_closed_under_it_is_never_sent_twice(peer):
     assert log == [b"GET /v1/a HTTP/1.1", b"POST /v1/jobs HTTP/1.1 (closed unanswered)", b"GET /v1/c HTTP/1.1"]
 
 
+def test_an_answer_sent_before_the_body_was_read_is_the_answer(tmp_path: Path):
+    """A daemon refuses a body too large from its headers alone (413) and closes while the client
+    still sends it: the client reads that answer (once a broken pipe, exit 69) and exits 64."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "gpuswap.sock"))
+    sock.listen(1)
+
+    def refuse() -> None:
+        conn, _ = sock.accept()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        body = b'{"detail": "request body too large: the limit is 1 MiB"}'
+        conn.sendall(b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        conn.close()
+
+    threading.Thread(target=refuse, daemon=True).start()
+    with pytest.raises(ClientError) as e:       # under the CLI's own limit, far over a socket's buffer
+        Client(tmp_path, timeout=30).post("/v1/jobs", {"argv": ["x" * 900_000]})
+    sock.close()
+    assert e.value.exit_code == 64 and str(e.value) == "request body too large: the limit is 1 MiB"
+
+
 def test_no_daemon_is_exit_69_in_one_line(tmp_path: Path):
     with pytest.raises(ClientError) as e:
         Client(tmp_path).get("/v1/health")

@@ -59,6 +59,10 @@ def test_oversized_requests_are_refused_and_a_job_at_the_limit_runs(daemon):
     # the CLI says it in one line, exit 64
     cli = daemon.cli("submit", "--", "true", *["z" * 100_000] * 3)
     assert cli.returncode == 64 and "argv is" in cli.stderr and "Traceback" not in cli.stderr
+    # a body over 1 MiB: the CLI says why (it once sent it, met a closed pipe and exited 69)
+    cli = daemon.cli("submit", "--", "echo", *["a" * 120_000] * 10)
+    assert cli.returncode == 64 and cli.stderr == "gpuswap: request body too large: the limit is 1 MiB\n", cli
+    assert c.get("/v1/jobs", params={"limit": 1000}).json()[-1]["argv"][0] == "sh"     # no job was added
 
 
 def test_job_lists_are_paged_newest_first_and_the_cli_follows(daemon):

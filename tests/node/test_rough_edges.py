@@ -192,3 +192,16 @@ def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
         [long_id] = [i for (i,) in db.execute("SELECT id FROM jobs WHERE name = 'long'")]
         times = dict(db.execute("SELECT state, min(time) FROM events WHERE job_id = ? GROUP BY state", (long_id,)))
     assert times["PAUSING"] - times["RUNNING"] < 60, times
+
+
+@pytest.mark.parametrize("url, token, says", [
+    ("http://127.0.0.1:abc", "gst_x", "GPUSWAP_URL='http://127.0.0.1:abc' is not a URL"),
+    ("http://[::1", "gst_x", "GPUSWAP_URL='http://[::1' is not a URL"),
+    ("http://", "gst_x", "GPUSWAP_URL='http://' names no host"),
+    ("http://127.0.0.1:1", "tokén", "GPUSWAP_TOKEN is not a gpuswap token"),
+    ("http://127.0.0.1:1", "tok\nen", "GPUSWAP_TOKEN is not a gpuswap token"),
+])
+def test_an_unusable_url_or_token_is_one_line_exit_64(url, token, says):
+    r = gpuswap("ls", env=dict(os.environ, GPUSWAP_URL=url, GPUSWAP_TOKEN=token))
+    assert r.returncode == 64 and r.stderr.startswith(f"gpuswap: {says}") and r.stderr.count("\n") == 1, r
+    assert token not in r.stderr, r         # a token is a secret: never echoed

@@ -14,8 +14,9 @@ import gpuswap
 from gpuswap.api import schema, storage_errors
 from gpuswap.api.auth import ORIGIN_KEY, Authorizer, Caller
 from gpuswap.api.joblog import log_path, read_log
-from gpuswap.api.limits import MAX_PAGE_JOBS, PAGE_ARGV_BYTES, BodyLimit, page_headers
+from gpuswap.api.limits import BodyLimit, page_headers
 from gpuswap.api.overview import gpu_used, holders_of, kept_on, ram_budget, ram_by_node
+from gpuswap.api.sizes import MAX_PAGE_JOBS, PAGE_ARGV_BYTES
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap import lifecycle

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import select
 import socket
 import threading
@@ -16,10 +17,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 from urllib.parse import urlencode
 
+from gpuswap.api.sizes import MAX_BODY_BYTES, body_too_large
 from gpuswap.exitcodes import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
 from gpuswap.protocol import env as envvars
 
 SYSTEM_HOME = Path("/var/lib/gpuswap")
+# What a bearer token may hold (RFC 6750's b64token; gpuswap's own are gst_ID_SECRET): anything
+# else could not be sent in a header at all (a newline, a non-ASCII letter).
+BEARER = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 
 
 class ClientError(Exception):
@@ -106,7 +111,13 @@ class _UnixSocket:
     def send(self, method: str, url: str, body: Optional[bytes], headers: dict[str, str]) -> Response:
         conn, kept = self._connect()
         try:
-            conn.request(method, url, body=body, headers=headers)
+            try:
+                conn.request(method, url, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                # The daemon may have answered from the headers alone and closed before reading
+                # the body (a 413): that answer is waiting to be read, and says why.
+                if conn.sock is None or not _readable(conn.sock):
+                    raise
             r = conn.getresponse()
             content = r.read()
         except BaseException as e:
@@ -128,6 +139,24 @@ class _UnixSocket:
             conn.close()
 
 
+def _checked_url(url: str, httpx: Any) -> str:
+    """$GPUSWAP_URL if httpx can reach something with it, else a usage error naming it."""
+    bad = None
+    try:
+        parsed = httpx.URL(url)
+        if parsed.scheme not in ("http", "https"):
+            bad = "is not an http:// or https:// URL"
+        elif not parsed.host:
+            bad = "names no host"
+        elif parsed.port is not None and not 0 < parsed.port < 65536:
+            bad = f"has port {parsed.port}, which no server can listen on"
+    except httpx.InvalidURL as e:
+        bad = f"is not a URL ({str(e)[:200]})"
+    if bad:
+        raise ClientError(f"{envvars.URL}={url[:300]!r} {bad}", EX_USAGE)
+    return url
+
+
 def _readable(sock: socket.socket) -> bool:
     """True if an idle connection has something to read: EOF (the daemon closed it) or stray bytes."""
     poller = select.poll()          # not select(): it fails on descriptors past 1023
@@ -146,15 +175,17 @@ class Client:
         self._http: Any = None
         self._uds: Optional[_UnixSocket] = None
         if url:
-            if not url.startswith(("http://", "https://")):
-                raise ClientError(f"{envvars.URL}={url!r} is not an http:// URL", EX_USAGE)
+            import httpx
+
+            self.sock = _checked_url(url, httpx).rstrip("/")
             token = os.environ.get(envvars.TOKEN, "").strip()
             if not token:
                 raise ClientError(f"{envvars.URL} is set but {envvars.TOKEN} is not; create a token with "
                                   "`gpuswap token create` on the server", EX_USAGE)
-            import httpx
-
-            self.sock = url.rstrip("/")
+            if not BEARER.fullmatch(token):     # the token is a secret: not echoed
+                raise ClientError(f"{envvars.TOKEN} is not a gpuswap token: it holds a character no token has "
+                                  "(a space, a newline, a non-ASCII letter); copy it again from "
+                                  "`gpuswap token create`", EX_USAGE)
             self._http = httpx.Client(base_url=self.sock, timeout=timeout,
                                       headers={"Authorization": f"Bearer {token}"})
             return
@@ -186,19 +217,21 @@ class Client:
             except (ValueError, AttributeError):
                 detail = r.text
             # 503/504: a pool node's agent whose head is away or late, or a node the head cannot reach.
-            code = (EX_USAGE if r.status_code in (400, 422) else
+            code = (EX_USAGE if r.status_code in (400, 413, 422) else
                     EX_UNAVAILABLE if r.status_code in (503, 504) else EX_FAILURE)
             raise ClientError(str(detail), code)
         return r
 
     def _send(self, method: str, path: str, params: Optional[Mapping[str, Any]], body: Any) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        if data is not None and len(data) > MAX_BODY_BYTES:
+            # Refused here, as the daemon would (413): it would cut the body off mid-send.
+            raise ClientError(body_too_large(), EX_USAGE)
         if self._uds is None:
-            return self._send_tcp(method, path, params, body)
+            return self._send_tcp(method, path, params, data)
         url = f"{path}?{urlencode(params)}" if params else path
         headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
+        if data is not None:
             headers["Content-Type"] = "application/json"
         try:
             return self._uds.send(method, url, data, headers)
@@ -207,12 +240,12 @@ class Client:
         except http.client.HTTPException as e:   # a closed connection, a malformed answer
             raise OSError(str(e) or type(e).__name__) from None
 
-    def _send_tcp(self, method: str, path: str, params: Optional[Mapping[str, Any]], body: Any) -> Any:
+    def _send_tcp(self, method: str, path: str, params: Optional[Mapping[str, Any]], data: Optional[bytes]) -> Any:
         import httpx
 
         kw: dict[str, Any] = {} if params is None else {"params": params}
-        if body is not None:
-            kw["json"] = body
+        if data is not None:
+            kw.update(content=data, headers={"Content-Type": "application/json"})
         try:
             return self._http.request(method, path, **kw)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):

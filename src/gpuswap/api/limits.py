@@ -1,4 +1,5 @@
-"""Size limits on what a client may send and what one listing may return (issue 10).
+"""Size limits on what a client may send and what one listing may return (issue 10); their
+numbers are in api/sizes.py.
 
 Without them one user's six 50 MB-argv jobs made everyone's `/v1/gpus` take seconds and grew the
 database for good. The limits are far above what a real job needs (docs/limits.md) and are
@@ -14,26 +15,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-KiB = 1024
-MAX_BODY_BYTES = 1024 * KiB           # one request body (JSON as sent)
-MAX_HEADER_BYTES = 16 * KiB           # a request's headers, names and values together
-MAX_ARGV_ITEMS = 4096
-MAX_ARGV_BYTES = 256 * KiB            # sum of the UTF-8 arguments, each with its NUL
-MAX_ENV_VARS = 4096
-MAX_ENV_BYTES = 256 * KiB             # sum of NAME=VALUE, each with its NUL
-MAX_STRING_BYTES = 128 * KiB          # one argument or NAME=VALUE with its NUL: Linux's MAX_ARG_STRLEN
-MAX_NAME_CHARS = 200
-MAX_CWD_CHARS = 4096                  # PATH_MAX
-MAX_PAGE_JOBS = 1000                  # jobs in one GET /v1/jobs page
-PAGE_ARGV_BYTES = 4 * 1024 * KiB      # argv bytes in one page (at least one job)
-
-
-def _size(n: int) -> str:
-    if n >= KiB * KiB and n % (KiB * KiB) == 0:
-        return f"{n // (KiB * KiB)} MiB"
-    if n >= KiB:
-        return f"{n // KiB} KiB" if n % KiB == 0 else f"{n / KiB:.2f} KiB"
-    return f"{n} bytes"
+from gpuswap.api.sizes import (MAX_ARGV_BYTES, MAX_ARGV_ITEMS, MAX_BODY_BYTES, MAX_ENV_BYTES, MAX_ENV_VARS,
+                               MAX_HEADER_BYTES, MAX_STRING_BYTES, body_too_large, size_text as _size)
 
 
 def _utf8_len(text: str) -> int:
@@ -76,7 +59,7 @@ class BodyLimit:
         self.app, self.limit = app, limit
 
     def _too_large(self) -> str:
-        return f"request body too large: the limit is {_size(self.limit)}"
+        return body_too_large(self.limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
