@@ -6,6 +6,7 @@ import os
 import time
 from typing import Annotated, Any, Optional
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from gpuswap.api import schema, storage_errors
 from gpuswap.api.auth import ORIGIN_KEY, Authorizer, Caller
 from gpuswap.api.joblog import log_path, read_log
 from gpuswap.api.limits import BodyLimit, page_headers
+from gpuswap.api.longpoll import Ticks
 from gpuswap.api.overview import gpu_used, holders_of, kept_on, ram_budget, ram_by_node
 from gpuswap.api.sizes import MAX_PAGE_JOBS, PAGE_ARGV_BYTES
 from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
@@ -72,17 +74,24 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             raise HTTPException(503, f"cannot check the working directory on node {origin}: "
                                      f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
 
-    def wait_for(job_id: int, done: Any, timeout: float) -> JobRecord:
-        """Block until `done(job)` or timeout; the controller notifies after every tick."""
+    ticks = Ticks(controller.changed)
+
+    async def wait_for(job_id: int, done: Any, timeout: float) -> JobRecord:
+        """The job once `done(job)`, or at the timeout (MAX_WAIT_S at most). Only the controller's
+        ticks move jobs, so it looks again after each; it holds a worker thread only for each
+        look (api/longpoll.py: a sleeping handler held one for all of its wait)."""
         deadline = time.monotonic() + min(timeout, MAX_WAIT_S)
-        while True:
-            job = store.get(job_id)
-            assert job is not None
-            left = deadline - time.monotonic()
-            if done(job) or left <= 0:
-                return job
-            with controller.changed:
-                controller.changed.wait(min(left, 0.5))
+        with ticks.watching() as ticked:
+            while True:
+                ticked.clear()       # before the look: a tick during it is not missed
+                job = await anyio.to_thread.run_sync(store.get, job_id)
+                if job is None:      # forgotten meanwhile (--retention)
+                    raise HTTPException(404, f"no job {job_id}")
+                left = deadline - time.monotonic()
+                if done(job) or left <= 0:
+                    return job
+                with anyio.move_on_after(left):
+                    await ticked.wait()
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
@@ -148,11 +157,11 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         return record(job, store.events(job_id), log_path(controller.pool, job, launcher))
 
     @app.get("/v1/jobs/{job_id}/wait", responses=errors(e404=NO_JOB))
-    def wait(job_id: JobId, timeout: float = Query(MAX_WAIT_S, ge=0, le=86400),
-             who: Caller = Depends(caller)) -> dict[str, Any]:
-        own_job(job_id, who)
-        job = wait_for(job_id, lambda j: j.state.terminal, timeout)
-        return record(job)
+    async def wait(job_id: JobId, timeout: float = Query(MAX_WAIT_S, ge=0, le=86400),
+                   who: Caller = Depends(caller)) -> dict[str, Any]:
+        """The job once it has ended, or as it is after `timeout` seconds (30 at most)."""
+        await anyio.to_thread.run_sync(own_job, job_id, who)
+        return record(await wait_for(job_id, lambda j: j.state.terminal, timeout))
 
     @app.get("/v1/jobs/{job_id}/log", response_class=Response, responses={
         200: {"content": {"application/octet-stream": {}}, "description": "the log's bytes from `offset` "
@@ -165,58 +174,68 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                                  "X-Job-State": job.state.value})
 
     @app.post("/v1/jobs/{job_id}/cancel", responses=errors(e404=NO_JOB, e409="the job already ended"))
-    def cancel(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
-        job = own_job(job_id, who)
-        if not lifecycle.may_cancel(job.state):
-            raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
-        if not job.cancel_requested:
-            store.update(job_id, time.time(), cancel_requested=True, hold=False,
-                         event=NewEvent(K.CANCEL_REQUESTED, f"cancel requested by {who.user}", initiator="user"))
-        controller.wake()
-        job = wait_for(job_id, lambda j: j.state.terminal, 2.0)
-        return record(job)
+    async def cancel(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
+        def ask() -> None:
+            job = own_job(job_id, who)
+            if not lifecycle.may_cancel(job.state):
+                raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
+            if not job.cancel_requested:
+                store.update(job_id, time.time(), cancel_requested=True, hold=False,
+                             event=NewEvent(K.CANCEL_REQUESTED, f"cancel requested by {who.user}", initiator="user"))
+            controller.wake()
+
+        await anyio.to_thread.run_sync(ask)
+        return record(await wait_for(job_id, lambda j: j.state.terminal, 2.0))
 
     @app.post("/v1/jobs/{job_id}/pause", responses=errors(
         e400="an unknown tier (use ram or disk)", e404=NO_JOB,
         e409="refused, with the reason: the job is not started, cannot be parked (no safepoint reached, "
              "or no tier it can be parked to), or the controller declined the pause"))
-    def pause(job_id: JobId, req: PauseRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
+    async def pause(job_id: JobId, req: PauseRequest, who: Caller = Depends(caller)) -> dict[str, Any]:
         """Hold the job paused (to ram or disk). A job already held paused is left as it is: 200 with
         `nothing_done` saying so (the CLI prints it on stderr and exits 0)."""
-        job = own_job(job_id, who)
-        if req.to not in ("ram", "disk"):
-            raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
-        if not lifecycle.may_pause(job.state):
-            raise HTTPException(409, f"job {job_id} is {job.state.value}; only a started job can be paused")
-        if job.no_runtime:
-            raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
-                                     f"(no gpuswap runtime attached, or none within the pause timeout)")
-        spill = job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"
-        if job.hold and (not spill or "disk" in (job.hold_tier, job.desired_tier)):
-            where = f"parked {'on disk' if job.parked == 'disk' else 'in RAM'}" if job.parked else "held"
-            done = (f"job {job_id} already has a spill to disk under way; nothing to do" if spill else
-                    f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
-                    else f"job {job_id} already has a pause under way ({job.state.value}); nothing to do")
-            return {**record(job), "nothing_done": done}
-        # Only the user's intent is written (hold, and the tier asked for); the controller turns it
-        # into the pause or the spill, and answers here by moving the job or refusing the request.
-        store.update(job_id, time.time(), hold=True, hold_tier=req.to, event=NewEvent(
-            K.PAUSE_REQUESTED, f"spill to disk requested by {who.user}" if spill
-            else f"pause to {req.to} requested by {who.user}", tier=req.to, initiator="user"))
-        controller.wake()
+        def ask() -> tuple[bool, Optional[dict[str, Any]]]:
+            """(whether it is a spill to disk, the answer if there is nothing to do)."""
+            job = own_job(job_id, who)
+            if req.to not in ("ram", "disk"):
+                raise HTTPException(400, f"cannot pause to {req.to!r}; use ram or disk")
+            if not lifecycle.may_pause(job.state):
+                raise HTTPException(409, f"job {job_id} is {job.state.value}; only a started job can be paused")
+            if job.no_runtime:
+                raise HTTPException(409, f"job {job_id} cannot be parked: it reached no safepoint when last asked "
+                                         f"(no gpuswap runtime attached, or none within the pause timeout)")
+            spill = job.state == JobState.PAUSED and job.parked == "ram" and req.to == "disk"
+            if job.hold and (not spill or "disk" in (job.hold_tier, job.desired_tier)):
+                where = f"parked {'on disk' if job.parked == 'disk' else 'in RAM'}" if job.parked else "held"
+                done = (f"job {job_id} already has a spill to disk under way; nothing to do" if spill else
+                        f"job {job_id} is already paused ({where}); nothing to do" if job.state == JobState.PAUSED
+                        else f"job {job_id} already has a pause under way ({job.state.value}); nothing to do")
+                return spill, {**record(job), "nothing_done": done}
+            # Only the user's intent is written (hold, and the tier asked for); the controller turns it
+            # into the pause or the spill, and answers here by moving the job or refusing the request.
+            store.update(job_id, time.time(), hold=True, hold_tier=req.to, event=NewEvent(
+                K.PAUSE_REQUESTED, f"spill to disk requested by {who.user}" if spill
+                else f"pause to {req.to} requested by {who.user}", tier=req.to, initiator="user"))
+            controller.wake()
+            return spill, None
+
+        spill, nothing_done = await anyio.to_thread.run_sync(ask)
+        if nothing_done is not None:
+            return nothing_done
         if spill:
             # Answered once the controller asked the job's supervisor (desired_tier), or refused it
             # (hold_tier back to RAM); the spill itself takes as long as the checkpoint does.
-            job = wait_for(job_id, lambda j: j.desired_tier == "disk" or j.hold_tier != "disk" or not j.hold
-                           or j.parked != "ram", 2.0)
+            job = await wait_for(job_id, lambda j: j.desired_tier == "disk" or j.hold_tier != "disk" or not j.hold
+                                 or j.parked != "ram", 2.0)
             if job.parked == "ram" and job.hold and job.hold_tier != "disk":
                 raise HTTPException(409, f"job {job_id}: {job.reason}")
             return record(job)
         # The controller either starts the pause (the job leaves RUNNING) or refuses it, which
         # drops the hold with the reason: a refusal is a failed request, not a success.
         # A job whose runtime has not attached yet keeps the request (deferred, with its event).
-        job = wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
-                       or j.reason == deferred_pause_text(j.hold_tier or "ram", controller.config.attach_grace_s), 2.0)
+        job = await wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
+                             or j.reason == deferred_pause_text(j.hold_tier or "ram", controller.config.attach_grace_s),
+                             2.0)
         if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
             raise HTTPException(409, f"job {job_id}: {job.reason}")
         return record(job)

@@ -6,9 +6,9 @@ where api/auth.py's socket protocol puts a local peer's (the request scope, whic
 write), and the node it came from beside it (a submit's working directory is checked there).
 
 The app runs on an event loop of its own, in one thread: uvicorn's loop serves the head's sockets
-and is not ours to share; the app's handlers are synchronous (anyio runs them on threads, up to
-HANDLER_THREADS here), so one loop carries the forwarded requests side by side, 30 s `wait`s
-included.
+and is not ours to share; most of the app's handlers are synchronous (anyio runs them on threads,
+up to HANDLER_THREADS here) and its long polls (30 s `wait`s) are coroutines that hold no thread
+while they wait, so one loop carries the forwarded requests side by side.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from gpuswap.protocol.forwarded import ForwardedRequest, ForwardedResponse
 log = logging.getLogger("gpuswap.forwarded")
 
 ANSWER_TIMEOUT_S = 45.0       # under the node's own 50 s (node/gateway.py): the client gets this answer
-# Threads for the app's synchronous handlers on this loop: anyio's default is 40, which 40 long
-# polls (`gpuswap wait`) would hold, every other node's request waiting behind them.
+# Threads for the app's synchronous handlers on this loop (anyio's default is 40): every node of
+# the pool forwards its users' requests through this one loop.
 HANDLER_THREADS = 128
 
 
