@@ -53,6 +53,23 @@ def test_unusable_values_are_4xx_with_a_clear_sentence(daemon):
     assert "Traceback" not in out and " 500 " not in out, out
 
 
+def test_a_value_that_is_not_utf8_is_named(daemon, tmp_path):
+    """The CLI sends the user's whole environment: one variable holding a byte that is not UTF-8
+    refuses every submit, so the refusal names it (and the argument, or the working directory)."""
+    def submit(*argv: bytes, cwd: Path = daemon.home, **env: bytes) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable.encode(), b"-m", b"gpuswap.cli.main", b"submit", b"--", *argv],
+                              env={**daemon.env, **env}, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+    odd = tmp_path / os.fsdecode(b"dir\xff")
+    odd.mkdir()
+    for r, says in ((submit(b"true", GS_ODD_VARIABLE=b"a\xffb"), "environment variable 'GS_ODD_VARIABLE'"),
+                    (submit(b"true", b"x", b"\xfe"), "argv[2]"),
+                    (submit(b"true", cwd=odd), "the working directory")):
+        assert r.returncode == 64 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r
+        assert f"{says} is not valid UTF-8 text" in r.stderr, r.stderr
+    assert daemon.client.get("/v1/jobs") == []
+
+
 def test_cli_refuses_a_size_beyond_any_gpu(daemon):
     r = daemon.cli("submit", "--mem", NINES, "--", "true")
     assert r.returncode == 64 and "too large" in r.stderr and "Traceback" not in r.stderr, r

@@ -205,3 +205,13 @@ def test_an_unusable_url_or_token_is_one_line_exit_64(url, token, says):
     r = gpuswap("ls", env=dict(os.environ, GPUSWAP_URL=url, GPUSWAP_TOKEN=token))
     assert r.returncode == 64 and r.stderr.startswith(f"gpuswap: {says}") and r.stderr.count("\n") == 1, r
     assert token not in r.stderr, r         # a token is a secret: never echoed
+
+
+def test_submit_from_a_removed_working_directory_is_one_line_exit_64(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m gpuswap.cli.main submit -- true',
+                        "sh", str(gone), sys.executable], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, GPUSWAP_HOME=str(tmp_path)))
+    assert r.returncode == 64, r
+    assert r.stderr == "gpuswap submit: the working directory no longer exists; cd to one that does\n"

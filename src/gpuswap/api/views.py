@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gpuswap.api.limits import check_command
 from gpuswap.jobs import MAX_TIME_LIMIT_S, Priority
@@ -28,19 +29,29 @@ class SubmitRequest(BaseModel):
     # `--time`: run-seconds the user expects the job to need (gpuswap.jobs.parse_time_limit reads it)
     time_limit_s: Optional[float] = Field(default=None, gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)
 
-    @field_validator("argv", "cwd", "env", "name", "priority", "mem")
+    @field_validator("argv", "cwd", "env", "name", "priority", "mem", mode="before")
     @classmethod
     def _exec_safe(cls, v: Any, info: ValidationInfo) -> Any:
         """Every string must survive SQLite (UTF-8) and exec (no NUL; no '=' in a variable's name),
-        so a submit that cannot run is refused here, not failed later."""
-        items = v.items() if isinstance(v, dict) else [(None, x) for x in v] if isinstance(v, list) else [(None, v)]
-        for key, value in items:
-            if key is not None:
-                _exec_text(key, f"{info.field_name} name")
-                if not key or "=" in key:
-                    raise ValueError(f"environment variable name {key[:50]!r} is empty or contains '='")
-            if isinstance(value, str):
-                _exec_text(value, info.field_name or "value")
+        so a submit that cannot run is refused here, not failed later. The refusal names the
+        argument or variable: the CLI sends the user's whole environment, where one variable
+        holding a non-UTF-8 byte would otherwise block every submit with no clue which. Checked
+        before the types (a non-string is left to them), as pydantic's own message for such a
+        string in a length-limited field (cwd, name) names no culprit."""
+        if isinstance(v, dict):
+            for key, value in v.items():       # a JSON object's keys are strings
+                name = repr(str(key)[:50])
+                _exec_text(str(key), f"the name of environment variable {name}")
+                if not key or "=" in str(key):
+                    raise PydanticCustomError("env_name", f"environment variable name {name} is empty or contains '='")
+                if isinstance(value, str):
+                    _exec_text(value, f"environment variable {name}")
+        elif isinstance(v, list):
+            for i, arg in enumerate(v):
+                if isinstance(arg, str):
+                    _exec_text(arg, f"argv[{i}]")
+        elif isinstance(v, str):
+            _exec_text(v, "the working directory" if info.field_name == "cwd" else info.field_name or "value")
         return v
 
     @field_validator("argv")
@@ -67,12 +78,14 @@ class SubmitRequest(BaseModel):
 
 
 def _exec_text(text: str, what: str) -> None:
+    # Messages made whole here, with no context for pydantic to format: a name may hold braces.
     if "\0" in text:
-        raise ValueError(f"{what} contains a NUL character")
+        raise PydanticCustomError("nul", f"{what} contains a NUL character")
     try:
         text.encode()
-    except UnicodeEncodeError:
-        raise ValueError(f"{what} is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
+    except UnicodeEncodeError as e:    # a lone surrogate: what a byte that is not UTF-8 decodes to
+        raise PydanticCustomError("not_text", f"{what} is not valid UTF-8 text: it holds the lone "
+                                              f"surrogate {ascii(text[e.start])[1:-1]}") from None
 
 
 class PauseRequest(BaseModel):

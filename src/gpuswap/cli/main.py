@@ -245,7 +245,13 @@ def cmd_submit(a: argparse.Namespace) -> int:
                          "write: gpuswap submit [options] -- CMD ARGS")
     if a.gpus < 1:
         raise UsageError("gpuswap submit: --gpus must be at least 1")
-    body = {"argv": command, "cwd": os.getcwd(), "env": dict(os.environ), "name": a.name,
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:   # removed under the shell: nothing to run the job in
+        raise UsageError("gpuswap submit: the working directory no longer exists; cd to one that does") from None
+    except OSError as e:
+        raise UsageError(f"gpuswap submit: cannot tell the working directory: {e.strerror}") from None
+    body = {"argv": command, "cwd": cwd, "env": dict(os.environ), "name": a.name,
             "priority": a.priority, "gpus": a.gpus, "mem": a.mem, "preemptible": not a.no_preempt,
             "pause_mode": a.pause_mode, "time_limit_s": a.time}
     rec = _client().post("/v1/jobs", body)
