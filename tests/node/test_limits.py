@@ -86,6 +86,8 @@ def test_job_lists_are_paged_newest_first_and_the_cli_follows(daemon):
         after = r.headers.get("X-Next-After")
     assert [j["id"] for j in seen] == ids
     assert c.get("/v1/jobs", params={"limit": 100000}).status_code == 422
+    both = c.get("/v1/jobs", params={"before": ids[-1], "after": ids[0]})     # opposite walks: one at most
+    assert both.status_code == 422 and "not both" in both.json()["detail"], both.text[:300]
     short = daemon.cli("ls", "--limit", "5")
     assert short.returncode == 0 and "the newest 5 of 23 jobs" in short.stderr
     assert [j["id"] for j in json.loads(daemon.cli("ls", "-n", "5", "--json").stdout)] == ids[-5:]

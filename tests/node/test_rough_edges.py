@@ -215,3 +215,13 @@ def test_submit_from_a_removed_working_directory_is_one_line_exit_64(tmp_path):
                        env=dict(os.environ, GPUSWAP_HOME=str(tmp_path)))
     assert r.returncode == 64, r
     assert r.stderr == "gpuswap submit: the working directory no longer exists; cd to one that does\n"
+
+
+def test_a_token_for_an_empty_user_name_is_refused(daemon):
+    r = daemon.cli("token", "create", "--user", "")
+    assert r.returncode == 64 and "user" in r.stderr and r.stderr.count("\n") == 1, r
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.home / "gpuswap.sock")),
+                      base_url="http://x") as c:
+        assert c.post("/v1/tokens", json={"user": ""}).status_code == 422
+        assert c.get("/v1/tokens").json() == []               # none was made for the caller instead
+        assert c.post("/v1/tokens", json={}).status_code == 201   # no user at all: the caller's own

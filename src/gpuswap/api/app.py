@@ -142,7 +142,10 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                   after: Optional[int] = Query(None, ge=0, le=2**62, description="the oldest jobs above this id"),
                   who: Caller = Depends(caller)) -> list[dict]:
         """One page of jobs in id order: the newest `limit` (below `before`), or with `after` the
-        oldest above it. X-Next-Before / X-Next-After say where the next page starts, if any."""
+        oldest above it. X-Next-Before / X-Next-After say where the next page starts, if any.
+        One cursor at most: the two walk in opposite directions, so both together mean nothing."""
+        if before is not None and after is not None:
+            raise HTTPException(422, "invalid request: give one cursor, `before` or `after`, not both")
         if all_users and not who.admin:
             raise HTTPException(403, "only admins can list every user's jobs")
         uid = None if all_users else who.uid

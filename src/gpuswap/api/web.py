@@ -67,7 +67,10 @@ class SecurityHeaders:
 
 
 class TokenRequest(BaseModel):
-    user: Optional[str] = Field(default=None, max_length=64, description="admins only: another user's token")
+    # An empty name is refused, not read as "the caller": a script's unset variable must not mint
+    # the caller's own token where another user's was meant.
+    user: Optional[str] = Field(default=None, min_length=1, max_length=64,
+                                description="admins only: another user's token (omit it for your own)")
     note: str = Field(default="", max_length=200)
     for_dashboard: bool = Field(default=False, description="create it only if the daemon has a TCP listener "
                                 "(409 otherwise), so a dashboard URL can be made from it")
@@ -102,7 +105,7 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
         if request.scope.get(SCOPE_KEY) is None:
             raise HTTPException(403, "tokens are created over the daemon's Unix socket, where the kernel "
                                      "says who you are; run `gpuswap token create` on the server")
-        user = req.user or who.user
+        user = who.user if req.user is None else req.user
         if user != who.user and not who.admin:
             raise HTTPException(403, "only admins can create a token for another user")
         url = getattr(app.state, "public_url", None)
