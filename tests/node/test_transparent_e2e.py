@@ -180,6 +180,39 @@ def test_no_restore_into_a_gpu_without_room(make_daemon, home):
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 
 
+def test_a_frozen_job_waits_for_its_own_gpu_while_another_is_free(make_daemon, home):
+    """Every job runs with CUDA_VISIBLE_DEVICES naming its own GPU, and the driver refuses a GPU
+    map for such a process (CUDA_ERROR_INVALID_VALUE: NVIDIA/cuda-python#1983, NVBug 5437334), so
+    the node offers no migration: resumed while its GPU is taken and another is free, a frozen job
+    waits for its own and thaws there. (The simulated driver used to claim migration and moved it.)"""
+    daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
+    assert daemon.client.get("/v1/gpus")["transparent"]["migration"] is False
+    gate, other_gate, next_gate = Gate(home / "go"), Gate(home / "other-go"), Gate(home / "next-go")
+    cmd, ready = fake(home, 2 * GiB, gate)
+    job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="plain", priority="low")
+    wait_file(daemon, job, ready)
+    [own] = daemon.job(job)["assigned_gpus"]
+    [proc] = daemon.client.get("/v1/gpus")["gpus"][own]["processes"]
+    other = daemon.submit(other_gate.hold(), name="other", priority="low", preemptible=False)
+    daemon.state(other, "RUNNING")                              # on the other GPU
+    assert daemon.cli("pause", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "PAUSED")
+    nxt = daemon.submit(next_gate.hold(), name="next", priority="normal")
+    assert daemon.state(nxt, "RUNNING")["assigned_gpus"] == [own]  # the frozen job's GPU, the one free
+    other_gate.open()
+    daemon.state(other, "COMPLETED")                            # now the other GPU is free
+    assert daemon.cli("resume", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] != "PAUSED"
+                     or "waiting for its own GPU" in (j["pending_reason_text"] or ""))
+    assert j["state"] == "PAUSED" and f"waiting for its own GPU {own}" in j["pending_reason_text"], j
+    next_gate.open()
+    j = daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    assert j["assigned_gpus"] == [own] and not any(" onto GPU" in e["reason"] for e in j["events"])
+    assert daemon.client.get("/v1/gpus")["gpus"][own]["processes"] == [proc]
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
 def test_job_exiting_while_frozen_ends_with_its_code_and_frees_accounting(daemon, home):
     gate = Gate(home / "go")
     cmd, ready = fake(home, 2 * GiB, gate)

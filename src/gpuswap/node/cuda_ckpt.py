@@ -19,7 +19,15 @@ from typing import Optional
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
 MIN_BINDINGS = (13, 0, 3)
 MIN_DRIVER_CHECKPOINT = 570
-MIN_DRIVER_MIGRATION = 580
+
+# Why no node offers restoring a frozen job onto another GPU, though drivers >= 580 take GPU pairs:
+# the daemon starts every job with CUDA_VISIBLE_DEVICES naming its own GPUs only, and the driver
+# refuses a GPU map for a process that does not see every GPU with CUDA_ERROR_INVALID_VALUE
+# (NVIDIA/cuda-python#1983: even an identity map, 2 of 4 GPUs visible; its
+# cuda_core/tests/test_checkpoint.py skips migration under CUDA_VISIBLE_DEVICES; NVBug 5437334).
+# A failed restore cannot be retried (NVIDIA/cuda-checkpoint#44) and would end the job, so a
+# frozen job waits for its own GPUs instead. The simulated driver refuses such a map too.
+NO_MIGRATION = "restores stay on each job's own GPUs (no GPU map under CUDA_VISIBLE_DEVICES)"
 
 
 class CheckpointError(Exception):
@@ -45,7 +53,7 @@ class Capability:
     reason: str                       # why not, or a one-line description of what is there
     driver: Optional[str] = None
     bindings: Optional[str] = None
-    migration: bool = False           # restore onto another GPU (driver >= 580)
+    migration: bool = False           # restore onto another GPU; never offered today: NO_MIGRATION
     persistence: dict[int, bool] = field(default_factory=dict)
     simulated: bool = False
     criu: str = "not checked"         # transparent disk tier: CRIU's own verdict
@@ -195,8 +203,7 @@ def detect(nvml_persistence: dict[int, bool], driver_version: Optional[str]) -> 
         return Capability(False, f"cuda-bindings {bindings} lacks {', '.join(missing) or 'a fixed restore'}; "
                                  "needs >= 13.0.3", driver=driver_version, bindings=bindings,
                           persistence=nvml_persistence)
-    migration = major >= MIN_DRIVER_MIGRATION and hasattr(driver, "CUcheckpointGpuPair")
     note = "" if all(nvml_persistence.values()) else "; persistence mode is off on some GPUs (restore calls cuInit)"
-    return Capability(True, f"CUDA checkpoint API, driver {driver_version}, cuda-bindings {bindings}"
-                            f"{', migration' if migration else ''}{note}", driver=driver_version,
-                      bindings=bindings, migration=migration, persistence=nvml_persistence, criu=criu_verdict())
+    return Capability(True, f"CUDA checkpoint API, driver {driver_version}, cuda-bindings {bindings}; "
+                            f"{NO_MIGRATION}{note}", driver=driver_version,
+                      bindings=bindings, migration=False, persistence=nvml_persistence, criu=criu_verdict())

@@ -13,12 +13,26 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   RUNNING (NOT_READY is lock's only extra documented return; "left in the RUNNING state").
 - checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device and it vanishes from
   the NVML process list (cuda-checkpoint README).
-- restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. The map
-  must cover every GPU (CUDA docs: "every checkpointed GPU"; NVIDIA's own migration tests and
-  cuda-checkpoint#35: a map of one pair on a 4-GPU node fails with invalid argument), else
-  CUDA_ERROR_INVALID_VALUE. Too little free memory on the target: CUDA_ERROR_OUT_OF_MEMORY, the
-  process stays CHECKPOINTED and is stuck for good: every later restore fails with
-  CUDA_ERROR_OPERATING_SYSTEM and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44).
+- restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. A map
+  is refused with CUDA_ERROR_INVALID_VALUE, the process left CHECKPOINTED (NVIDIA's own tests
+  restore it without a map after that error), when:
+  * it does not cover every GPU (CUDA docs: "must contain every checkpointed GPU"; NVIDIA's
+    migration tests and cuda-checkpoint#35: a map of one pair on a 4-GPU node fails with
+    invalid argument);
+  * it is not one-to-one (two GPUs sent to one). Our reading: the docs only say each pair maps
+    "the GPU that was checkpointed" to "the GPU to restore onto", and every map NVIDIA's tests
+    use is a permutation (a rotation, a swap);
+  * the process does not see every GPU: its CUDA_VISIBLE_DEVICES (read from /proc/PID/environ,
+    the environment it started with; unreadable counts as hiding) leaves some out. NVIDIA's
+    cuda-core tests (cuda_core/tests/test_checkpoint.py) skip migration under
+    CUDA_VISIBLE_DEVICES, "the checkpoint mapping must cover every GPU visible to the
+    kernel-mode driver", and their author found even an identity map refused with
+    CUDA_ERROR_INVALID_VALUE when 2 of 4 GPUs were visible (NVIDIA/cuda-python#1983, NVBug
+    5437334). The daemon starts every job so, and therefore never asks for a map (the
+    capability below says no migration; docs/transparent.md).
+  Too little free memory on the target: CUDA_ERROR_OUT_OF_MEMORY, the process stays
+  CHECKPOINTED and is stuck for good: every later restore fails with CUDA_ERROR_OPERATING_SYSTEM
+  and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44).
 - unlock: LOCKED -> RUNNING. A call in the wrong state: CUDA_ERROR_ILLEGAL_STATE (documented).
 - A call on a SIGSTOPped process is refused (SIMULATED_STOPPED_PROCESS): the real calls talk to
   the process's own restore thread (CRIU's cuda plugin resumes that thread around each call), so
@@ -30,18 +44,45 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, Capability, CheckpointDriver, CheckpointError, \
-    criu_verdict
+from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, NO_MIGRATION, RUNNING, Capability, CheckpointDriver, \
+    CheckpointError, criu_verdict
 from gpuswap.node.gpus import SimulatedGpus
 from gpuswap.simcuda import Registration, SimDevice, stopped
+
+
+def visible_gpus(pid: int, gpus: SimulatedGpus) -> Optional[set[int]]:
+    """The node's GPUs that process `pid` sees, by the CUDA_VISIBLE_DEVICES it started with (read
+    from /proc/PID/environ: what CUDA reads when the process initializes it, unless the program
+    changed its environment first); None if that cannot be read. As CUDA reads the variable: unset, every GPU; entries are
+    indices or UUIDs, and the first that names no GPU ends the list (CUDA Programming Guide,
+    "CUDA Environment Variables")."""
+    try:
+        with open(f"/proc/{int(pid)}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    value = next((e[len(b"CUDA_VISIBLE_DEVICES="):] for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None)
+    if value is None:
+        return set(range(gpus.count))
+    by_uuid = {gpus.uuid(i): i for i in range(gpus.count)}
+    seen: set[int] = set()
+    for entry in value.decode(errors="replace").split(","):
+        entry = entry.strip()
+        index = int(entry) if entry.isdigit() else by_uuid.get(entry)
+        if index is None or not 0 <= index < gpus.count:
+            break
+        seen.add(index)
+    return seen
 
 
 class SimulatedCheckpointDriver(CheckpointDriver):
     def __init__(self, gpus: SimulatedGpus, device: SimDevice):
         self.gpus, self.device = gpus, device
         device.prepare()
-        self.capability = Capability(True, "SIMULATED checkpoint driver (no GPU; no memory is moved)",
-                                     migration=True, simulated=True, criu=criu_verdict())
+        # No migration, as a real node's capability says (cuda_ckpt.NO_MIGRATION): restore below
+        # refuses a GPU map for a job that sees only its own GPUs, which is every job.
+        self.capability = Capability(True, f"SIMULATED checkpoint driver (no GPU; no memory is moved); {NO_MIGRATION}",
+                                     migration=False, simulated=True, criu=criu_verdict())
 
     def _proc(self, call: str, pid: int) -> tuple[Registration, dict]:
         reg = self.device.registration(pid)
@@ -76,17 +117,26 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         reg, rec = self._expect(call, pid, CHECKPOINTED)
         if rec["poisoned"]:
             raise CheckpointError(call, "CUDA_ERROR_OPERATING_SYSTEM")
-        by_uuid = {self.gpus.uuid(i): i for i in range(self.gpus.count)}
         target = rec["gpu"]
         if gpu_map:
-            if set(gpu_map) != set(by_uuid) or not set(gpu_map.values()) <= set(by_uuid):
-                raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
-            target = by_uuid[gpu_map[self.gpus.uuid(rec["gpu"])]]
+            target = self._mapped(call, pid, rec["gpu"], gpu_map)
         used = sum(b for p, g, b in self.device.resident() if g == target and p != pid)
         if reg.nbytes > self.gpus.mem_total - used:
             self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"], poisoned=True)
             raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
         self.device.set_driver_record(reg, LOCKED, target)
+
+    def _mapped(self, call: str, pid: int, home: int, gpu_map: dict[str, str]) -> int:
+        """The GPU `gpu_map` sends the process to, or CUDA_ERROR_INVALID_VALUE (the process stays
+        CHECKPOINTED) for a map that misses a GPU, sends two GPUs to one or names one not here, or
+        for a process that does not see every GPU (the module docstring gives the sources)."""
+        by_uuid = {self.gpus.uuid(i): i for i in range(self.gpus.count)}
+        one_to_one = len(set(gpu_map.values())) == len(gpu_map)
+        if set(gpu_map) != set(by_uuid) or not set(gpu_map.values()) <= set(by_uuid) or not one_to_one:
+            raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
+        if visible_gpus(pid, self.gpus) != set(by_uuid.values()):
+            raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
+        return by_uuid[gpu_map[self.gpus.uuid(home)]]
 
     def unlock(self, pid: int) -> None:
         reg, rec = self._proc("cuCheckpointProcessUnlock", pid)

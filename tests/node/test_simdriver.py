@@ -1,0 +1,131 @@
+"""The simulated checkpoint driver and device, call by call, against real processes: each rule is
+one the real driver shows (node/simdriver.py and docs/transparent.md give the sources). The daemon's
+own use of them is in test_transparent_e2e.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, CheckpointError
+from gpuswap.node.gpus import SimulatedGpus
+from gpuswap.node.simdriver import SimulatedCheckpointDriver
+from gpuswap.protocol.env import SIM_CUDA_DIR
+from gpuswap.simcuda import SimDevice
+
+GiB = 2**30
+
+# A CUDA program stand-in: registers (busy: with a kernel that does not finish), says so, and once
+# FINISH exists registers again without the kernel; then idles until killed.
+PROC = """import os, sys, time
+from gpuswap import simcuda
+ready, finish = sys.argv[1], sys.argv[2]
+simcuda.allocate(1 << 30, busy=os.environ.get("BUSY") == "1")
+open(ready, "w").close()
+while not os.path.exists(finish):
+    time.sleep(0.02)
+simcuda.allocate(1 << 30)
+while True:
+    time.sleep(1)
+"""
+
+
+class World:
+    def __init__(self, root: Path, count: int):
+        self.root = root
+        self.device = SimDevice(root / "sim")
+        self.gpus = SimulatedGpus(count, 80 * GiB, self.device)
+        self.driver = SimulatedCheckpointDriver(self.gpus, self.device)
+        self.procs: list[subprocess.Popen] = []
+
+    def cuda_process(self, visible: Optional[str], busy: bool = False) -> tuple[int, Path]:
+        """(pid, the file that lets its kernel finish) of a simulated CUDA process started with
+        CUDA_VISIBLE_DEVICES=`visible` (None: unset, every GPU visible)."""
+        n = len(self.procs)
+        ready, finish = self.root / f"ready{n}", self.root / f"finish{n}"
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env.update({SIM_CUDA_DIR: str(self.device.root), "BUSY": "1" if busy else "0"})
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        p = subprocess.Popen([sys.executable, "-c", PROC, str(ready), str(finish)], env=env)
+        self.procs.append(p)
+        deadline = time.monotonic() + 120          # catches a process that never registers
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the CUDA process did not register"
+            time.sleep(0.02)
+        return p.pid, finish
+
+    def freeze(self, pid: int) -> None:
+        self.driver.lock(pid, 10_000)
+        self.driver.checkpoint(pid)
+
+    def gpu_of(self, pid: int) -> int:
+        reg = self.device.registration(pid)
+        assert reg is not None
+        return self.device.driver_record(reg)["gpu"]
+
+
+@pytest.fixture
+def world(tmp_path) -> Iterator[World]:
+    w = World(tmp_path, 2)
+    yield w
+    for p in w.procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_gpu_map_for_a_process_that_sees_only_its_own_gpu_is_refused(world):
+    """The daemon starts every job with CUDA_VISIBLE_DEVICES naming its own GPUs. The real driver
+    refuses a GPU map for such a process with CUDA_ERROR_INVALID_VALUE, even an identity map
+    (NVIDIA/cuda-python#1983, NVBug 5437334), and the process can still be restored where it was.
+    A process that sees every GPU is moved as mapped."""
+    masked, _ = world.cuda_process("1")
+    world.freeze(masked)
+    swap = {world.gpus.uuid(0): world.gpus.uuid(1), world.gpus.uuid(1): world.gpus.uuid(0)}
+    identity = {world.gpus.uuid(i): world.gpus.uuid(i) for i in range(2)}
+    for gpu_map in (swap, identity):
+        with pytest.raises(CheckpointError) as e:
+            world.driver.restore(masked, gpu_map)
+        assert e.value.code == "CUDA_ERROR_INVALID_VALUE"
+        assert world.driver.state(masked) == CHECKPOINTED
+    world.driver.restore(masked)
+    assert world.driver.state(masked) == LOCKED and world.gpu_of(masked) == 1
+    world.driver.unlock(masked)
+
+    for visible in (None, "1,0"):           # every GPU visible, in whatever order
+        whole, _ = world.cuda_process(visible)
+        home = world.gpu_of(whole)
+        world.freeze(whole)
+        world.driver.restore(whole, swap)
+        assert world.driver.state(whole) == LOCKED and world.gpu_of(whole) == 1 - home
+        world.driver.unlock(whole)
+
+
+def test_the_simulated_driver_offers_no_migration(world):
+    """What a real node's capability says (cuda_ckpt.NO_MIGRATION): the daemon never asks for a map."""
+    cap = world.driver.capability
+    assert cap.available and cap.simulated and not cap.migration
+    assert "own GPUs" in cap.reason
+
+
+def test_a_gpu_map_that_sends_two_gpus_to_one_is_refused(tmp_path):
+    """Every GPU is in the map, but two of them go to one: refused, the process left CHECKPOINTED."""
+    w = World(tmp_path, 3)
+    try:
+        pid, _ = w.cuda_process(None)
+        w.freeze(pid)
+        u = w.gpus.uuid
+        with pytest.raises(CheckpointError) as e:
+            w.driver.restore(pid, {u(0): u(1), u(1): u(1), u(2): u(2)})
+        assert e.value.code == "CUDA_ERROR_INVALID_VALUE" and w.driver.state(pid) == CHECKPOINTED
+        w.driver.restore(pid, {u(0): u(2), u(1): u(0), u(2): u(1)})
+        assert w.driver.state(pid) == LOCKED and w.gpu_of(pid) == 2
+    finally:
+        for p in w.procs:
+            p.kill()
+            p.wait()
