@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
 
-from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, CheckpointError
+from gpuswap.node import simdriver
+from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointError
 from gpuswap.node.gpus import SimulatedGpus
 from gpuswap.node.simdriver import SimulatedCheckpointDriver
 from gpuswap.protocol.env import SIM_CUDA_DIR
@@ -129,3 +131,45 @@ def test_a_gpu_map_that_sends_two_gpus_to_one_is_refused(tmp_path):
         for p in w.procs:
             p.kill()
             p.wait()
+
+
+class SleepSignal:
+    """A module's `time` whose sleep says, once, that the caller is waiting (then sleeps)."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+
+    def sleep(self, s: float) -> None:
+        self.waiting.set()
+        time.sleep(s)
+
+    monotonic = staticmethod(time.monotonic)
+
+
+def test_a_lock_without_timeout_waits_until_the_work_finishes(world, monkeypatch):
+    """timeoutMs 0 "indicates no timeout" (CUcheckpointLockArgs): the lock waits for the kernel
+    however long it runs, and locks once it has finished; it is no NOT_READY at once."""
+    pid, finish = world.cuda_process("0", busy=True)
+    clock = SleepSignal()
+    monkeypatch.setattr(simdriver, "time", clock)
+    outcome: list[object] = []
+
+    def lock() -> None:
+        try:
+            world.driver.lock(pid, 0)
+            outcome.append("locked")
+        except CheckpointError as e:
+            outcome.append(e.code)
+    t = threading.Thread(target=lock)
+    t.start()
+    assert clock.waiting.wait(60), "the lock never waited"
+    finish.touch()                            # the kernel finishes: the process registers again
+    t.join(120)
+    assert outcome == ["locked"] and world.driver.state(pid) == LOCKED
+
+
+def test_a_lock_with_a_timeout_gives_up_and_leaves_the_process_running(world):
+    pid, _ = world.cuda_process("0", busy=True)
+    with pytest.raises(CheckpointError) as e:
+        world.driver.lock(pid, 50)
+    assert e.value.timed_out and world.driver.state(pid) == RUNNING

@@ -8,9 +8,11 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
 - Only a CUDA process has checkpoint state: every call on another pid (the launcher's shell, a
   process that exited) fails with CUDA_ERROR_INVALID_VALUE (documented return of every call;
   the exact code for a non-CUDA pid is not documented: the most likely one).
-- lock: RUNNING -> LOCKED, after in-flight work finishes; a process with a kernel that never
-  finishes (`busy`) makes it wait `timeout_ms` and return CUDA_ERROR_NOT_READY, leaving it
-  RUNNING (NOT_READY is lock's only extra documented return; "left in the RUNNING state").
+- lock: RUNNING -> LOCKED, after in-flight work finishes; a process with a kernel that does not
+  finish (`busy`, until it registers again without it) makes it wait up to `timeout_ms` and
+  return CUDA_ERROR_NOT_READY, leaving it RUNNING (NOT_READY is lock's only extra documented
+  return; "left in the RUNNING state"). `timeout_ms` 0 waits as long as the work runs
+  (CUcheckpointLockArgs: "0 indicates no timeout").
 - checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device and it vanishes from
   the NVML process list (cuda-checkpoint README).
 - restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. A map
@@ -48,6 +50,8 @@ from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, NO_MIGRATION, RUNNING, 
     CheckpointError, criu_verdict
 from gpuswap.node.gpus import SimulatedGpus
 from gpuswap.simcuda import Registration, SimDevice, stopped
+
+POLL_S = 0.02      # how often a waiting lock looks again at the process's work
 
 
 def visible_gpus(pid: int, gpus: SimulatedGpus) -> Optional[set[int]]:
@@ -102,10 +106,17 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         return self._proc("cuCheckpointProcessGetState", pid)[1]["state"]
 
     def lock(self, pid: int, timeout_ms: int) -> None:
-        reg, rec = self._expect("cuCheckpointProcessLock", pid, RUNNING)
-        if reg.busy:
-            time.sleep(timeout_ms / 1000)
-            raise CheckpointError("cuCheckpointProcessLock", "CUDA_ERROR_NOT_READY")
+        """Waits while the process's work runs (`busy` in its registration, read again each time):
+        up to `timeout_ms`, or as long as it takes with 0 ("0 indicates no timeout")."""
+        call = "cuCheckpointProcessLock"
+        reg, rec = self._expect(call, pid, RUNNING)
+        deadline = None if timeout_ms == 0 else time.monotonic() + timeout_ms / 1000
+        while reg.busy:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CheckpointError(call, "CUDA_ERROR_NOT_READY")
+            time.sleep(POLL_S if left is None else min(POLL_S, left))
+            reg, rec = self._expect(call, pid, RUNNING)
         self.device.set_driver_record(reg, LOCKED, rec["gpu"])
 
     def checkpoint(self, pid: int) -> None:
