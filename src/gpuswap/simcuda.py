@@ -175,10 +175,16 @@ def _uid(pid: int) -> Optional[int]:
 def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
     """Become a simulated CUDA process holding `nbytes` on CUDA device `device` (an ordinal within
     CUDA_VISIBLE_DEVICES, as with cudaSetDevice). One GPU per process: a job on several GPUs runs
-    one such process per GPU. `busy`: a kernel that never finishes, so a lock times out."""
+    one such process per GPU. `busy`: a kernel that does not finish until the process registers
+    again without it, so a lock waits for it (and times out).
+
+    A CUDA call like any other: while the driver holds this process (locked or checkpointed) it
+    blocks before touching the registration, as `sync` does, so a frozen process registers nothing
+    until it is thawed (CUDA docs, cuCheckpointProcessLock: "block further CUDA API calls")."""
     root = os.environ.get(SIM_CUDA_DIR)
     if not root:
         raise RuntimeError(f"{SIM_CUDA_DIR} is not set: not a job on simulated GPUs")
+    sync()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
     reg = Registration(os.getpid(), start_ticks(os.getpid()) or 0, int(visible), int(nbytes), busy)
     path = Path(root) / "procs" / f"{reg.pid}.json"
@@ -188,7 +194,9 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
 
 def sync(poll_s: float = 0.02) -> None:
     """A CUDA call: blocks while the driver holds this process locked or checkpointed (as real CUDA
-    calls do, cuda-checkpoint README), and for good once a failed restore left it stuck."""
+    calls do: CUDA docs, cuCheckpointProcessLock, "block further CUDA API calls"; cuda-checkpoint
+    README, CPU threads calling CUDA "may block until CUDA is resumed"), and for good once a failed
+    restore left it stuck. A process that never registered is no CUDA process: nothing blocks it."""
     root = os.environ.get(SIM_CUDA_DIR)
     if not root:
         return

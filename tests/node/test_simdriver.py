@@ -9,10 +9,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator, Optional
 
 import pytest
 
+from gpuswap import simcuda
 from gpuswap.node import simdriver
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointError
 from gpuswap.node.gpus import SimulatedGpus
@@ -173,3 +175,22 @@ def test_a_lock_with_a_timeout_gives_up_and_leaves_the_process_running(world):
     with pytest.raises(CheckpointError) as e:
         world.driver.lock(pid, 50)
     assert e.value.timed_out and world.driver.state(pid) == RUNNING
+
+
+def test_an_allocation_of_a_locked_process_blocks_until_it_is_unlocked(world, monkeypatch):
+    """A CUDA call of a process the driver holds blocks ("block further CUDA API calls",
+    cuCheckpointProcessLock): a frozen job registers no new memory until it is thawed."""
+    monkeypatch.setenv(SIM_CUDA_DIR, str(world.device.root))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    simcuda.allocate(GiB)
+    me = os.getpid()
+    world.driver.lock(me, 1000)
+    clock = SleepSignal()
+    monkeypatch.setattr(simcuda, "time", SimpleNamespace(sleep=clock.sleep))
+    t = threading.Thread(target=simcuda.allocate, args=(2 * GiB,))
+    t.start()
+    assert clock.waiting.wait(60), "the allocation did not block"
+    assert world.device.registration(me).nbytes == GiB          # nothing registered while locked
+    world.driver.unlock(me)
+    t.join(120)
+    assert not t.is_alive() and world.device.registration(me).nbytes == 2 * GiB

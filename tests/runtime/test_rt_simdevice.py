@@ -56,6 +56,38 @@ def test_nothing_is_registered_on_real_gpus_or_outside_a_daemons_simulated_gpus(
     assert _held(device) == []
 
 
+def test_a_registration_blocks_while_the_driver_holds_the_process(device, monkeypatch):
+    """A job frozen transparently is locked, then checkpointed, by the driver, and its CUDA calls
+    block until the thaw (CUDA docs, cuCheckpointProcessLock): the runtime's registration of new
+    bytes is one such call, so it waits and lands only once the process runs again."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gpuswap.node.gpus import SimulatedGpus
+    from gpuswap.node.simdriver import SimulatedCheckpointDriver
+
+    driver = SimulatedCheckpointDriver(SimulatedGpus(2, 2**40, device), device)
+    simdevice.hold(100, simulated=True)
+    me = os.getpid()
+    driver.lock(me, 1000)
+    driver.checkpoint(me)
+    waiting = threading.Event()
+
+    def sleep(s: float) -> None:
+        waiting.set()
+        time.sleep(s)
+    monkeypatch.setattr(simcuda, "time", SimpleNamespace(sleep=sleep))
+    t = threading.Thread(target=simdevice.hold, args=(200, True))
+    t.start()
+    assert waiting.wait(60), "the registration did not wait for the thaw"
+    assert device.registration(me).nbytes == FLOOR + 100 and _held(device) == []   # checkpointed: not listed
+    driver.restore(me)
+    driver.unlock(me)
+    t.join(120)
+    assert not t.is_alive() and _held(device) == [(me, 1, FLOOR + 200)]
+
+
 def test_the_floor_is_chosen_by_the_environment_and_a_bad_value_falls_back(capsys):
     assert simdevice.context_bytes({}) == simdevice.DEFAULT_CONTEXT_BYTES == 512 * 2**20
     assert simdevice.context_bytes({SIM_CONTEXT_BYTES: "256MiB"}) == 256 * 2**20

@@ -77,7 +77,11 @@ def context_bytes(env: Mapping[str, str] = os.environ) -> int:
 
 def hold(attached_bytes: int, simulated: bool) -> None:
     """This process now holds the floor plus `attached_bytes` on its simulated GPU (registered on
-    the first call). Nothing happens on real GPUs or outside a daemon's simulated GPUs."""
+    the first call). Nothing happens on real GPUs or outside a daemon's simulated GPUs.
+
+    A CUDA call: while the driver holds the process (a job frozen transparently) it blocks until
+    the thaw (simcuda.allocate), as a real allocation would. Callers (the training thread) hold no
+    lock of the runtime's around it: its reader thread, which answers the daemon, never waits on it."""
     global _registered, _pid, _floor
     if not simulated:
         return
