@@ -109,6 +109,15 @@ def test_dashboard_preemption_actions_and_other_users(browser, make_daemon, home
     expect(p.locator("#job-facts")).to_contain_text(re.compile(r"2h from --time; 1h \d\dm left"))
     expect(p.locator("#job-events")).to_contain_text("512.0 MiB stays on GPU 0")
     p.goto(f"{web.url}/ui/#/")
+    # A job page opened on its own (a link in a new tab: the overview is never drawn there) says
+    # that its GPUs are simulated, in the header and on its GPUs line, as `gpuswap show` does.
+    alone = root.ctx.new_page()
+    alone.goto(f"{web.url}/ui/#/job/{urgent}&token={web.token()}")
+    expect(alone.locator("#job-title")).to_contain_text("urgent-eval")
+    expect(alone.locator("#overview")).to_be_hidden()
+    expect(alone.locator("#sim")).to_be_visible()
+    expect(alone.locator("#job-facts")).to_contain_text("assigned 0 (SIMULATED GPUs — no real GPU is in use)")
+    alone.close()
     urgent_gate.open()
 
     # The urgent job ends; the long one resumes on its own. Then root pauses it by clicking.

@@ -209,6 +209,8 @@ function leftText(j) {
 }
 
 // -- one job -------------------------------------------------------------------------------
+const SIMULATED_GPUS = "(SIMULATED GPUs — no real GPU is in use)";   // as `gpuswap show` says it (cli/render.py)
+
 // The runtime estimate as `gpuswap show` says it (cli/render.py, estimate_text).
 function estimateText(j) {
   const text = j.estimate || "none";
@@ -233,6 +235,9 @@ async function renderJob(id) {
     throw e;   // a failed poll: tick() shows it until one succeeds
   }
   $("#job-body").hidden = false;
+  // A job page opened on its own never draws the overview: it says itself that the GPUs are
+  // simulated, in the header and on the GPUs line, as `gpuswap show` does.
+  $("#sim").hidden = !j.gpus_simulated;
   const log = await api("GET", `/v1/jobs/${id}/log/tail?size=8192`).catch(() => "");
   $("#job-title").replaceChildren(`Job ${j.id} · `, j.name, " ", stateSpan(j.state));
   $("#job-actions").replaceChildren(...actionButtons({ ...j, mine: true, tier: j.parked }));
@@ -240,7 +245,8 @@ async function renderJob(id) {
     ["priority", j.priority + (j.preemptible ? "" : ", no-preempt")],
     ["where", where({ ...j, tier: j.parked })],
     ["parked", (j.parked ? `${j.parked} (${size(j.parked_bytes)})` : "-") + residueText(j)],
-    ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}${j.node ? ` on node ${j.node}` : ""}`],
+    ["GPUs", `${j.gpus} requested; assigned ${j.assigned_gpus.join(",") || "-"}${j.node ? ` on node ${j.node}` : ""}`
+      + (j.gpus_simulated ? ` ${SIMULATED_GPUS}` : "")],
     ["step", j.step ?? "-"],
     ["in state", dur(j.time_in_state_s)], ["preemptions", j.preemptions],
     ["service", `${dur(j.run_s)} running, ${dur(j.switch_s)} switching`], ["estimate", estimateText(j)],
