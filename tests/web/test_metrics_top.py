@@ -54,9 +54,14 @@ def test_metrics_reflect_preemption_and_survive_restart(preempted):
     assert m[("gpuswap_jobs", (("priority", "low"), ("state", "PAUSED")))] == 1
     # Per GPU, a bounded set of series: which state it is in (job ids belong to the logs, not labels).
     assert {k: v for k, v in m.items() if k[0] == "gpuswap_gpu_state"} == {
-        ("gpuswap_gpu_state", (("gpu", "0"), ("state", s))): float(s == "running")
+        ("gpuswap_gpu_state", (("gpu", "0"), ("simulated", "true"), ("state", s))): float(s == "running")
         for s in ("free", "running", "resuming", "pausing", "stopped")}
-    assert m[("gpuswap_gpu_jobs", (("gpu", "0"),))] == 1
+    assert m[("gpuswap_gpu_jobs", (("gpu", "0"), ("simulated", "true")))] == 1
+    # Every per-GPU series says its GPU is simulated: none can pass one for a real GPU.
+    per_gpu = [k for k in m if k[0].startswith("gpuswap_gpu_")]
+    assert {k[0] for k in per_gpu} == {"gpuswap_gpu_memory_total_bytes", "gpuswap_gpu_memory_used_bytes",
+                                       "gpuswap_gpu_state", "gpuswap_gpu_jobs"}
+    assert all(("simulated", "true") in k[1] for k in per_gpu), per_gpu
     assert not [k for k in m if any(label == "job_id" for label, _ in k[1])]
     assert not [k for k in m if k[0].startswith("gpuswap_node_")]     # one machine: no pool's node series
     assert m[("gpuswap_gpu_memory_total_bytes", (("gpu", "0"), ("simulated", "true")))] == 80 * 2**30

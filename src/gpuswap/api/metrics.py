@@ -182,10 +182,12 @@ class GpuswapCollector(Collector):
         total = GaugeMetricFamily("gpuswap_gpu_memory_total_bytes", "GPU memory", labels=["gpu", "simulated"])
         used = GaugeMetricFamily("gpuswap_gpu_memory_used_bytes",
                                  "GPU memory in use (simulated GPUs: as the jobs report it)", labels=["gpu", "simulated"])
+        # Every per-GPU series says whether its GPU is simulated, so no dashboard built on one of
+        # them can show a simulated GPU as a real one.
         state = GaugeMetricFamily("gpuswap_gpu_state", "1 for the state the GPU is in, 0 for the others "
                                   "(bounded: GPUs x states; job ids are in /v1/gpus and the event log)",
-                                  labels=["gpu", "state"])
-        jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu"])
+                                  labels=["gpu", "simulated", "state"])
+        jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu", "simulated"])
         kept = kept_on(live)
         for g in self.gpus.list():
             holders = [j for j in live if j.node == g.node and g.index in j.assigned]
@@ -195,8 +197,8 @@ class GpuswapCollector(Collector):
             used.add_metric(lab, gpu_used(g.mem_used, holders, sum(n for _, n in kept.get((g.node, g.index), []))))
             now = gpu_state(holders)
             for s in GPU_STATES:
-                state.add_metric([name, s], 1 if s == now else 0)
-            jobs.add_metric([name], sum(1 for j in holders if j.holds_gpu))
+                state.add_metric([*lab, s], 1 if s == now else 0)
+            jobs.add_metric(lab, sum(1 for j in holders if j.holds_gpu))
         yield from (total, used, state, jobs)
 
     def _jobs(self, live: list) -> Iterator[object]:
