@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from gpuswap_testing import train_cmd
+from gpuswap_testing import has_gpu, train_cmd
 
 
 def gpuswap(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -180,6 +180,8 @@ def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
     assert r.returncode == 0, r.stdout + r.stderr
     [home] = list(base.glob("gpuswap-demo-*"))               # its state went where the user asked
     assert (home / "state.db").exists() and str(home) in r.stdout
+    if not has_gpu():     # the banner says where a simulated GPU's memory figures come from
+        assert "memory figures are the simulated device's process list" in " ".join(r.stdout.split()), r.stdout
     # "N s in all" is the urgent job's own submit-to-end time, from its event log.
     said = float(re.search(r"; ([\d.]+) s in all", r.stdout).group(1))
     with sqlite3.connect(home / "state.db") as db:

@@ -62,6 +62,9 @@ def test_metrics_reflect_preemption_and_survive_restart(preempted):
     assert {k[0] for k in per_gpu} == {"gpuswap_gpu_memory_total_bytes", "gpuswap_gpu_memory_used_bytes",
                                        "gpuswap_gpu_state", "gpuswap_gpu_jobs"}
     assert all(("simulated", "true") in k[1] for k in per_gpu), per_gpu
+    with web.http(token) as c:        # and its help says where a simulated GPU's figure comes from
+        helps = {f.name: f.documentation for f in text_string_to_metric_families(c.get("/metrics").text)}
+    assert "the simulated device's process list" in helps["gpuswap_gpu_memory_used_bytes"], helps
     assert not [k for k in m if any(label == "job_id" for label, _ in k[1])]
     assert not [k for k in m if k[0].startswith("gpuswap_node_")]     # one machine: no pool's node series
     assert m[("gpuswap_gpu_memory_total_bytes", (("gpu", "0"), ("simulated", "true")))] == 80 * 2**30

@@ -181,7 +181,9 @@ class GpuswapCollector(Collector):
     def _gpus(self, live: list) -> Iterator[object]:
         total = GaugeMetricFamily("gpuswap_gpu_memory_total_bytes", "GPU memory", labels=["gpu", "simulated"])
         used = GaugeMetricFamily("gpuswap_gpu_memory_used_bytes",
-                                 "GPU memory in use (simulated GPUs: as the jobs report it)", labels=["gpu", "simulated"])
+                                 "GPU memory in use (NVML; simulated GPUs: the simulated device's process list "
+                                 "once a process registered there, else what the jobs report)",
+                                 labels=["gpu", "simulated"])
         # Every per-GPU series says whether its GPU is simulated, so no dashboard built on one of
         # them can show a simulated GPU as a real one.
         state = GaugeMetricFamily("gpuswap_gpu_state", "1 for the state the GPU is in, 0 for the others "

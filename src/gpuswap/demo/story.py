@@ -140,7 +140,9 @@ def run_demo(keep: bool = False, steps: int = 400) -> int:
         return 1
     ngpus = real_gpu_count()
     simulate = None if ngpus else "1x80GiB"
-    where = f"{ngpus} real GPU(s)" if ngpus else "1 SIMULATED GPU (no real GPU here; memory figures are the jobs' own)"
+    where = f"{ngpus} real GPU(s)" if ngpus else (
+        "1 SIMULATED GPU (no real GPU here; memory figures are the simulated device's process list, "
+        "where each job's process registers what it holds)")
     console.print(f"[bold]gpuswap demo[/bold] in {home}: {where}")
     train = [sys.executable, "-m", "gpuswap.demo.train", "--steps", str(steps)]
     daemon: Optional[subprocess.Popen] = None
