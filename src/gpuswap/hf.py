@@ -4,8 +4,12 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SafepointCallback()])
 
 At `on_train_begin` the callback attaches the model, the optimizer, the LR scheduler and the
-Trainer's own resumable state; `safepoint(global_step - 1)` runs at every `on_step_end`, i.e.
-after each optimizer step, where the Trainer itself would save a checkpoint.
+Trainer's own resumable state; `safepoint(global_step - 1)` runs after each optimizer step once the
+Trainer has logged, evaluated and saved for it (`_maybe_log_save_evaluate`, which follows
+`on_step_end`; after the last step of an epoch, also the epoch's own): where the Trainer's own
+checkpoint is written, and what its resume continues from. It is served just before the Trainer
+fetches the next step's batches (`get_batch_samples`), or at `on_epoch_begin` before the next
+epoch's iterator draws its seed; after the step that ends training there is none.
 
 The Trainer's own state is what `Trainer._save_checkpoint` writes (weights, optimizer,
 scheduler, scaler, RNG states, trainer_state.json with global step, epoch and callbacks'
@@ -15,7 +19,9 @@ the callback's `on_init_end`; the callback unpacks those files into a private te
 directory and makes `trainer.train()` resume from it when the script passes no
 `resume_from_checkpoint` of its own. So resuming uses the Trainer's `resume_from_checkpoint`
 semantics exactly: global step, epoch, skipping the batches already seen in the current epoch
-(same sampler seed), RNG states.
+(same sampler seed), RNG states; and the stateful callbacks' state (EarlyStoppingCallback's
+patience, TrainerControl), captured as it is at the safepoint and restored whatever
+`restore_callback_states_from_checkpoint` says.
 
 Under torchrun or `accelerate launch` with several processes every rank's callback attaches,
 `trainer.model_wrapped` (the DDP wrapper accelerate built) in place of the bare model, so the
@@ -29,6 +35,7 @@ Importing gpuswap never imports transformers; only this module does.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import shutil
@@ -39,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 import gpuswap
 from gpuswap.runtime import prerestore
@@ -62,7 +70,12 @@ class _TrainerFiles:
             t._save_optimizer_and_scheduler(tmp)
             t._save_scaler(tmp)
             t._save_rng_state(tmp)
-            t.state.save_to_json(os.path.join(tmp, TRAINER_STATE))
+            # The stateful callbacks' state as it is now (EarlyStoppingCallback's patience, the
+            # TrainerControl): `TrainerState.stateful_callbacks` is refreshed only by the
+            # Trainer's own `_save_checkpoint`; a copy, so the Trainer's state is left as it was.
+            stateful = [cb for cb in t.callback_handler.callbacks + [t.control] if isinstance(cb, ExportableState)]
+            state = dataclasses.replace(t.state, stateful_callbacks=stateful)
+            state.save_to_json(os.path.join(tmp, TRAINER_STATE))
             root = Path(tmp)
             return {"files": {str(p.relative_to(root)): p.read_bytes()
                               for p in sorted(root.rglob("*")) if p.is_file()}}
@@ -101,6 +114,7 @@ class SafepointCallback(TrainerCallback):
         self.job: Any = None
         self.trainer: Optional[Trainer] = None
         self.resume_dir: Optional[str] = None
+        self._due: Optional[int] = None   # the step whose safepoint waits for the Trainer's log/eval/save
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer = _calling_trainer()
@@ -116,15 +130,24 @@ class SafepointCallback(TrainerCallback):
         files = dict(saved.rank0["files"]) if saved.rank0 is not None else {}
         files.update(saved.own["files"])
         self.resume_dir = _unpack(files)
-        train = self.trainer.train
+        trainer = self.trainer
+        train = trainer.train
 
         @functools.wraps(train)
         def train_resuming(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
-            if resume_from_checkpoint is None:
-                resume_from_checkpoint = self.resume_dir
-            return train(resume_from_checkpoint, *a, **kw)
+            if resume_from_checkpoint is not None:
+                return train(resume_from_checkpoint, *a, **kw)
+            # The callbacks' state too, whatever `restore_callback_states_from_checkpoint` says
+            # (default False): an uninterrupted run never forgets its early-stopping patience.
+            args = trainer.args
+            before = args.restore_callback_states_from_checkpoint
+            args.restore_callback_states_from_checkpoint = True
+            try:
+                return train(self.resume_dir, *a, **kw)
+            finally:
+                args.restore_callback_states_from_checkpoint = before
 
-        self.trainer.train = train_resuming  # type: ignore[method-assign]
+        trainer.train = train_resuming  # type: ignore[method-assign]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
@@ -146,12 +169,34 @@ class SafepointCallback(TrainerCallback):
             objects["scheduler"] = sched
         objects[STATE_NAME] = _TrainerFiles(trainer)
         self.job = gpuswap.attach(**objects)
+        self._due = None
+        fetch = trainer.get_batch_samples
+        if not getattr(fetch, "_gpuswap_safepoint", False):
+            @functools.wraps(fetch)
+            def fetch_after_safepoint(*a: Any, **kw: Any) -> Any:
+                self._serve_due()
+                return fetch(*a, **kw)
+
+            fetch_after_safepoint._gpuswap_safepoint = True  # type: ignore[attr-defined]
+            trainer.get_batch_samples = fetch_after_safepoint  # type: ignore[method-assign]
+
+    def _serve_due(self) -> None:
+        step, self._due = self._due, None
+        if step is not None and self.job is not None:
+            self.job.safepoint(step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Not here: the Trainer logs, evaluates (drawing from the global RNG: its DataLoader's
+        # seed) and saves for this step after on_step_end, and a run resumed from here would
+        # start at the next step without them. The safepoint is served once they are done.
         if self.job is not None:
-            self.job.safepoint(state.global_step - 1)
+            self._due = state.global_step - 1
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._serve_due()   # the last step of the previous epoch, after the epoch's own eval/save
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._due = None   # training is over: nothing left to resume
         # A rank of a multi-rank job says `done`: a pause asked now would wait for a safepoint
         # this rank never reaches again, so the job stops being pausable (runtime/ranks.py).
         if getattr(self.job, "world_size", 1) > 1:

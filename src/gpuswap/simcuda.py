@@ -1,8 +1,9 @@
 """A simulated CUDA device for machines without a GPU, as strict as the real driver observably is.
 
 A process becomes a *simulated CUDA process* by calling `allocate(nbytes)` (a test job does, in
-place of `torch.cuda`): it writes its own registration (pid, start time, GPU, bytes) into the
-directory named by `GPUSWAP_SIM_CUDA_DIR`, which the daemon sets for every job on simulated GPUs.
+place of `torch.cuda`): it writes its own registration (pid, start time, GPU, bytes allocated, and
+the bytes of the CUDA context its first CUDA call created) into the directory named by
+`GPUSWAP_SIM_CUDA_DIR`, which the daemon sets for every job on simulated GPUs.
 Nobody tells the daemon which pid that is: it finds it as it would on a real node, in the
 simulated NVML process list (`SimulatedGpus.list()`), which may name a child or grandchild of the
 launched command. The daemon's simulated checkpoint driver (node/simdriver.py) records where the
@@ -10,7 +11,46 @@ driver has put each process in `driver/PID.json`; a process checkpointed there h
 memory and is absent from the process list, as on a real GPU (docs/transparent.md lists each
 behaviour and its source).
 
+The context is device memory too. NVML's nvmlDeviceGetComputeRunningProcesses lists "processes
+with a compute context on a device", and its usedGpuMemory "is all of the memory used by the
+application" (NVML API reference): a process that created a context and allocated nothing is
+listed, holding its context (pytorch/pytorch#28113: 200-700 MB in nvidia-smi right after CUDA
+init, "That is the size of the CUDA context"; #20532: 300-400 MB per process, released only by
+quitting the process). So a registration holds `context + nbytes` on its GPU (`Registration.used`),
+in the process list and in the GPU's memory used, from its first `allocate` (`allocate(0)` too)
+until the process exits. cuCheckpointProcessCheckpoint releases all of it: "the GPU memory contents
+will be brought into host memory and all underlying references will be released" (CUDA driver API,
+CUDA_CHECKPOINT), and nvidia-smi then shows the GPU at 1 MiB used with no process
+(NVIDIA/cuda-checkpoint#31; #53: "the pid's device memory should drop to ~0"); a locked process
+keeps it all; a restore brings it all back.
+
+A full GPU refuses memory, as a real one does. cudaMalloc "returns cudaErrorMemoryAllocation in
+case of failure" (CUDA Runtime API, cudaMalloc), and PyTorch's caching allocator turns that into
+torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class, a RuntimeError):
+"CUDA out of memory. Tried to allocate 22.00 MiB. GPU 0 has a total capacity of 23.65 GiB of which
+11.06 MiB is free. ..." (the message of torch >= 2.2, quoted in pytorch/pytorch#16417; older ones
+"(GPU 0; 6.00 GiB total capacity; ...)", #59778). Creating the context needs device memory as
+well: on a GPU other processes have filled, the first CUDA call fails with "CUDA error: out of
+memory" (pytorch/pytorch#20532: every worker's context "cause[s] cuda OUT OF MEMORY ERROR";
+#18766: "RuntimeError: CUDA error: out of memory" when several processes initialize CUDA at once;
+TensorFlow's "failed call to cuDevicePrimaryCtxRetain: CUDA_ERROR_OUT_OF_MEMORY",
+aws-deepracer-community/deepracer-for-cloud#13), which torch >= 2.8 raises as
+torch.AcceleratorError, a RuntimeError too (None9527/None_Z-trainer#17). So `allocate` raises
+`OutOfMemoryError` (below; `context_creation` tells the two apart) when the GPU's resident memory
+(every resident registration's `used`, as the simulated NVML counts it: a checkpointed process
+holds nothing) plus what the call adds exceeds the GPU's total; a call that adds nothing (a free,
+`allocate` of fewer bytes) never fails, as cudaFree does not. The check and the write happen under
+one lock (`SimDevice.exclusive`, an flock on `lock`), which the simulated driver's restore and
+lock take too, so two processes racing for the last bytes cannot both get them, as the real
+driver's allocator serialises them. The job learns each simulated GPU's size from `gpus.json`,
+which the daemon writes when its simulated driver starts (read as untrusted input: a file the
+daemon did not write, or one that cannot be read, makes `allocate` fail as CUDA does without a
+device: "no CUDA-capable device is detected").
+
 Layout of the state directory (the daemon's `simulated-driver/`):
+  gpus.json        {"totals": [bytes of GPU 0, of GPU 1, ...]}: the simulated GPUs' sizes, written
+                   by the daemon (atomically, at start), read by every simulated CUDA process
+  lock             the device's lock (empty, the daemon's, readable by all: flock needs no write)
   procs/PID.json   a registration, written by the process itself (sticky, world-writable dir:
                    each user's processes register themselves; nobody can replace another's file)
   driver/PID.json  the driver's state for that process, written by the daemon only (readable by
@@ -20,19 +60,36 @@ file's owner: a reused pid or another user's forged file is ignored.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from time import monotonic as _monotonic, sleep as _lock_sleep   # the lock's own wait, apart from `sync`'s
+from typing import Iterator, Mapping, Optional
 
 from gpuswap.fsutil import atomic_write_json
-from gpuswap.protocol.env import SIM_CUDA_DIR
+from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
 
 MAX_BYTES = 2**53
 RESIDENT = ("running", "locked")       # driver states in which a process holds device memory
+GPUS_FILE, LOCK_FILE = "gpus.json", "lock"
+MAX_GPUS = 1024
+
+# The device memory a process's CUDA context takes (module code, the driver's per-context buffers,
+# and for a PyTorch process the cuBLAS/cuDNN handles it soon creates), which no free or empty_cache
+# returns. Measured: PyTorch's own context at 287,047,680 bytes with lazy module loading and
+# 666,632,192 without (pytorch/pytorch#86509, which made CUDA_MODULE_LOADING=LAZY torch's default;
+# CUDA Programming Guide, "Lazy Loading"); "~300MB" with lazy loading, over 1000 MB before CUDA
+# 11.7 (pytorch/pytorch#107667, ptrblck); 781 MB in nvidia-smi before any allocation
+# (pytorch/pytorch#34323); 555 MiB for a bare primary context on a Blackwell RTX PRO 6000, growing
+# with the SM count (ggml-org/llama.cpp#23604). 512 MiB is in that range for an H100 (132 SMs).
+# GPUSWAP_SIM_CONTEXT_BYTES chooses another (read by the process when it creates its context).
+DEFAULT_CONTEXT_BYTES = 512 * 2**20
 
 
 def start_ticks(pid: int) -> Optional[int]:
@@ -58,13 +115,79 @@ def stopped(pid: int) -> bool:
         return False
 
 
+def context_bytes(env: Mapping[str, str] = os.environ) -> int:
+    """The size of a simulated CUDA context: $GPUSWAP_SIM_CONTEXT_BYTES (bytes, or a size such as
+    256MiB), else DEFAULT_CONTEXT_BYTES; a value that cannot be read is reported once and the
+    default used."""
+    text = env.get(SIM_CONTEXT_BYTES, "").strip()
+    if not text:
+        return DEFAULT_CONTEXT_BYTES
+    from gpuswap.jobs import parse_size
+
+    try:
+        value = parse_size(text)
+        if 0 <= value <= 2**50:
+            return value
+    except ValueError:
+        pass
+    print(f"gpuswap: ignoring {SIM_CONTEXT_BYTES}={text[:40]!r}: not a size; using {DEFAULT_CONTEXT_BYTES} bytes",
+          file=sys.stderr, flush=True)
+    return DEFAULT_CONTEXT_BYTES
+
+
+def format_size(nbytes: int) -> str:
+    """A size as PyTorch's allocator messages write it (c10/cuda/CUDACachingAllocator.cpp,
+    format_size): up to 1 KiB in bytes, up to 1 MiB in KiB, up to 1 GiB in MiB, else GiB, two
+    decimals (hence "Tried to allocate 1024.00 KiB", shllln/GenerativeGraph#5)."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 2**20:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 2**30:
+        return f"{nbytes / 2**20:.2f} MiB"
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+class OutOfMemoryError(RuntimeError):
+    """A simulated CUDA call found too little free memory on its GPU: cudaErrorMemoryAllocation.
+
+    An allocation's message is the one torch.OutOfMemoryError carries ("CUDA out of memory. Tried
+    to allocate ..."); a context creation's is the one the first CUDA call of a process fails with
+    on a full GPU ("CUDA error: out of memory"): the module docstring gives the sources. A
+    RuntimeError, as both of torch's are, so code that catches what torch raises catches it; the
+    runtime's simulated device (runtime/simdevice.py) re-raises it as torch's own class.
+    `gpu`: the node's GPU; `device`: the ordinal the process named (torch's "GPU N")."""
+
+    def __init__(self, *, gpu: int, device: int, requested: int, free: int, total: int, held: int,
+                 context_creation: bool) -> None:
+        self.gpu, self.device, self.requested = gpu, device, requested
+        self.free, self.total, self.held = free, total, held
+        self.context_creation = context_creation
+        where = f"(simulated GPU {gpu} of this node, gpuswap.simcuda)"
+        if context_creation:
+            text = (f"CUDA error: out of memory (creating the CUDA context, {format_size(requested)}, on GPU {device}: "
+                    f"{format_size(free)} of its {format_size(total)} free) {where}")
+        else:
+            text = (f"CUDA out of memory. Tried to allocate {format_size(requested)}. GPU {device} has a total "
+                    f"capacity of {format_size(total)} of which {format_size(free)} is free. Including non-PyTorch "
+                    f"memory, this process has {format_size(held)} memory in use. {where}")
+        super().__init__(text)
+
+
 @dataclass(frozen=True)
 class Registration:
     pid: int
     start: int          # start_ticks when it registered
     gpu: int            # the GPU it allocated on (CUDA_VISIBLE_DEVICES' first entry)
-    nbytes: int
+    nbytes: int         # what it allocated
+    context: int        # its CUDA context's device memory (created by its first `allocate`)
     busy: bool = False  # a kernel that never finishes: a lock waits for it and times out
+    usage_reported: bool = True   # False: NVML lists it with usedGpuMemory not available (`allocate`)
+
+    @property
+    def used(self) -> int:
+        """What it holds on its GPU while resident, as NVML's usedGpuMemory: context and allocations."""
+        return self.context + self.nbytes
 
 
 class SimDevice:
@@ -78,10 +201,74 @@ class SimDevice:
         """Make the directories (daemon side, at start)."""
         from gpuswap.fsutil import make_dir
 
+        from gpuswap.fsutil import make_file
+
         make_dir(self.root, 0o711)
         make_dir(self.procs, 0o1733)       # like /tmp, but not listable by users
         make_dir(self.driver_dir, 0o711)   # a job reads its own state by name (its CUDA calls block on
                                            # it); nobody lists whose processes the driver holds
+        make_file(self.root / LOCK_FILE, 0o644)
+
+    def describe(self, totals: list[int]) -> None:
+        """Say how big each simulated GPU is (daemon side, at start): `gpus.json`, atomically."""
+        atomic_write_json(self.root / GPUS_FILE, {"totals": [int(t) for t in totals]}, 0o644)
+
+    def totals(self) -> Optional[list[int]]:
+        """Each simulated GPU's total bytes as the daemon described them, or None if there is no
+        description this process can trust: absent, not a regular file, not written by the owner
+        of the directory (the daemon), or not a list of 1 to MAX_GPUS sizes from 1 to MAX_BYTES."""
+        from gpuswap.fsutil import read_small
+
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            if os.stat(GPUS_FILE, dir_fd=fd, follow_symlinks=False).st_uid != os.fstat(fd).st_uid:
+                return None
+            raw = read_small(GPUS_FILE, 64 * 1024, dir_fd=fd)
+            totals = json.loads(raw)["totals"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(totals, list) or not 1 <= len(totals) <= MAX_GPUS:
+            return None
+        if not all(type(t) is int and 1 <= t <= MAX_BYTES for t in totals):
+            return None
+        return totals
+
+    @contextlib.contextmanager
+    def exclusive(self, timeout_s: Optional[float] = None) -> Iterator[None]:
+        """The device's lock: whoever checks for room and then takes it holds this meanwhile (a
+        process's `allocate`, the driver's restore and lock). An flock on `lock`, opened read-only
+        (no write permission is needed to flock a file), released when the block ends or the
+        process dies. `timeout_s`: give up with TimeoutError after that long (the daemon's side,
+        which must not hang on a process that holds the lock and stops); None waits."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{self.root / LOCK_FILE} is not a regular file")
+            if timeout_s is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                deadline = _monotonic() + timeout_s
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if _monotonic() >= deadline:
+                            raise TimeoutError(f"the simulated device's lock was held for over {timeout_s:g} s") from None
+                        _lock_sleep(0.005)
+            yield
+        finally:
+            os.close(fd)      # releases the flock
+
+    def used_on(self, gpu: int, but: Optional[int] = None) -> int:
+        """Device memory resident on `gpu` now (as the simulated NVML counts it: every resident
+        process's context and allocations, reported or not), leaving out process `but`."""
+        return sum(nbytes for pid, g, nbytes in self.resident() if g == gpu and pid != but)
 
     # -- registrations ----------------------------------------------------------------------
     def registration(self, pid: int) -> Optional[Registration]:
@@ -102,10 +289,12 @@ class SimDevice:
             os.close(fd)
         try:
             d = json.loads(raw)
-            reg = Registration(int(d["pid"]), int(d["start"]), int(d["gpu"]), int(d["nbytes"]), bool(d.get("busy")))
+            reg = Registration(int(d["pid"]), int(d["start"]), int(d["gpu"]), int(d["nbytes"]), int(d["context"]),
+                               bool(d.get("busy")), bool(d.get("usage_reported", True)))
         except (ValueError, KeyError, TypeError):
             return None
-        if reg.pid != pid or not 0 <= reg.nbytes <= MAX_BYTES or not 0 <= reg.gpu < 1024:
+        if reg.pid != pid or not 0 <= reg.nbytes <= MAX_BYTES or not 0 <= reg.context <= MAX_BYTES \
+                or not 0 <= reg.gpu < 1024:
             return None
         if start_ticks(pid) != reg.start or _uid(pid) != owner:
             return None              # the process is gone (its pid maybe reused), or a forgery
@@ -150,14 +339,20 @@ class SimDevice:
         atomic_write_json(self.driver_dir / f"{reg.pid}.json",
                           {"start": reg.start, "state": state, "gpu": gpu, "poisoned": poisoned}, 0o644)
 
-    def resident(self) -> list[tuple[int, int, int]]:
-        """(pid, gpu, bytes) of every process holding device memory now: what NVML would list."""
+    def listed(self) -> list[tuple[int, int, int, bool]]:
+        """(pid, gpu, bytes, whether NVML reports its bytes) of every process holding device memory
+        now, its context included: what NVML would list. A checkpointed process holds nothing and
+        is not listed."""
         out = []
         for reg in self.registrations():
             rec = self.driver_record(reg)
             if rec["state"] in RESIDENT:
-                out.append((reg.pid, rec["gpu"], reg.nbytes))
+                out.append((reg.pid, rec["gpu"], reg.used, reg.usage_reported))
         return out
+
+    def resident(self) -> list[tuple[int, int, int]]:
+        """(pid, gpu, bytes) of every process holding device memory now, reported or not."""
+        return [(pid, gpu, nbytes) for pid, gpu, nbytes, _ in self.listed()]
 
     def gpus_in_use(self) -> set[int]:
         """GPUs any living simulated CUDA process is on or was checkpointed from."""
@@ -172,11 +367,28 @@ def _uid(pid: int) -> Optional[int]:
 
 
 # -- the job's side: what a CUDA program does -------------------------------------------------
-def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
-    """Become a simulated CUDA process holding `nbytes` on CUDA device `device` (an ordinal within
-    CUDA_VISIBLE_DEVICES, as with cudaSetDevice). One GPU per process: a job on several GPUs runs
-    one such process per GPU. `busy`: a kernel that does not finish until the process registers
-    again without it, so a lock waits for it (and times out).
+def allocate(nbytes: int, busy: bool = False, device: int = 0, usage_reported: bool = True) -> Registration:
+    """Become a simulated CUDA process holding `nbytes` of allocations on CUDA device `device` (an
+    ordinal within CUDA_VISIBLE_DEVICES, as with cudaSetDevice), plus its CUDA context: created by
+    the first call (`context_bytes()`, read then) and kept, at that size, until the process exits,
+    as a real context is. One GPU per process: a job on several GPUs runs one such process per GPU.
+    `busy`: a kernel that does not finish until the process registers again without it, so a lock
+    waits for it (and times out).
+
+    Strict about room, as the real device (module docstring): with the GPU's resident memory
+    (other processes') plus what this process would hold over its total, it raises
+    `OutOfMemoryError` and its registration stays as it was. A first call that finds no room for
+    the context registers nothing (`context_creation`: "CUDA error: out of memory"); one that finds
+    room for the context but not for `nbytes` keeps the context, registered with no allocations, as
+    a real process does once its context exists (pytorch/pytorch#20532: freed only by quitting),
+    and raises the allocation's error. A call that adds nothing never fails. No description of the
+    GPUs (`gpus.json`) or a device ordinal past them: RuntimeError, as CUDA without that device.
+
+    `usage_reported=False`: NVML lists the process but gives its usedGpuMemory as
+    NVML_VALUE_NOT_AVAILABLE, which pynvml returns as None, as it may (NVML API reference,
+    nvmlProcessInfo_t documents that value; "under WDDM ... always reported"); gpuswap's NVML reader
+    takes it as unknown (node/gpus.py). The memory is still held: the GPU's memory used
+    (nvmlDeviceGetMemoryInfo, device-wide, not per process) counts it, and so does the room check.
 
     A CUDA call like any other: while the driver holds this process (locked or checkpointed) it
     blocks before touching the registration, as `sync` does, so a frozen process registers nothing
@@ -184,10 +396,45 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0) -> Registration:
     root = os.environ.get(SIM_CUDA_DIR)
     if not root:
         raise RuntimeError(f"{SIM_CUDA_DIR} is not set: not a job on simulated GPUs")
-    sync()
+    nbytes = int(nbytes)
+    if not 0 <= nbytes <= MAX_BYTES:
+        raise ValueError(f"cannot allocate {nbytes} bytes")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
-    reg = Registration(os.getpid(), start_ticks(os.getpid()) or 0, int(visible), int(nbytes), busy)
-    path = Path(root) / "procs" / f"{reg.pid}.json"
+    gpu, pid = int(visible), os.getpid()
+    dev = SimDevice(Path(root))
+    while True:
+        sync()
+        with dev.exclusive():
+            earlier = dev.registration(pid)
+            if earlier is not None and dev.driver_record(earlier)["state"] != "running":
+                continue       # the driver locked it since `sync`: block again, as a CUDA call does
+            return _allocate_locked(dev, earlier, gpu, device, nbytes, busy, usage_reported)
+
+
+def _allocate_locked(dev: SimDevice, earlier: Optional[Registration], gpu: int, device: int, nbytes: int,
+                     busy: bool, usage_reported: bool) -> Registration:
+    totals = dev.totals()
+    if totals is None:
+        raise RuntimeError(f"CUDA error: no CUDA-capable device is detected (the simulated GPUs in "
+                           f"{dev.root} are not described: {GPUS_FILE} is missing or unreadable)")
+    if not 0 <= gpu < len(totals):
+        raise RuntimeError(f"CUDA error: invalid device ordinal (simulated GPU {gpu}; this node has {len(totals)})")
+    pid, total = os.getpid(), totals[gpu]
+    context = earlier.context if earlier is not None else context_bytes()
+    others = dev.used_on(gpu, but=pid)
+    held = earlier.used if earlier is not None and earlier.gpu == gpu else 0   # what it holds there now
+    reg = Registration(pid, start_ticks(pid) or 0, gpu, nbytes, context, busy, usage_reported)
+    path = dev.procs / f"{pid}.json"
+    if reg.used > held and others + reg.used > total:
+        if earlier is None:
+            if others + context > total:
+                raise OutOfMemoryError(gpu=gpu, device=device, requested=context, free=max(0, total - others),
+                                       total=total, held=0, context_creation=True)
+            kept = Registration(pid, reg.start, gpu, 0, context, False, usage_reported)
+            atomic_write_json(path, kept.__dict__, 0o644)     # the context exists now, and stays
+            held = context
+        raise OutOfMemoryError(gpu=gpu, device=device, requested=reg.used - held,
+                               free=max(0, total - others - held), total=total, held=held, context_creation=False)
     atomic_write_json(path, reg.__dict__, 0o644)    # the daemon reads it (simulated NVML's process list)
     return reg
 

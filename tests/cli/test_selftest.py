@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from gpuswap import simcuda
 from gpuswap.selftest import checks, jobs
 from gpuswap.selftest.results import Scenario
 from gpuswap.protocol.env import SELFTEST_WRONG_REFERENCE as WRONG_REFERENCE_ENV
@@ -82,11 +83,13 @@ def test_simulated_selftest_passes_and_says_nothing_real_was_measured(base):
     # the disk park: checkpoint, exit 75, a new process restored from the held step
     assert disk["parked"] == "disk" and disk["restarted_at_step"] == jobs.HOLD_AT
     assert disk["job_pid_after"] not in (None, disk["job_pid"]) and disk["nvml_during"] == 0
-    # the freeze: the script's own process (the shell's child) found in the simulated NVML list and frozen
-    assert freeze["mechanism"] == "transparent" and freeze["parked_bytes"] == GiB // 16
+    # the freeze: the script's own process (the shell's child) found in the simulated NVML list and
+    # frozen, with its tensors and its CUDA context, as NVML lists a real one; the checkpoint frees both
+    held = GiB // 16 + simcuda.DEFAULT_CONTEXT_BYTES
+    assert freeze["mechanism"] == "transparent" and freeze["parked_bytes"] == held
     assert freeze["shell_pid"] != freeze["job_pid"]
-    assert freeze["nvml_processes_before"] == [[freeze["job_pid"], GiB // 16]]
-    assert (freeze["nvml_before"], freeze["nvml_during"], freeze["nvml_after"]) == (GiB // 16, 0, GiB // 16)
+    assert freeze["nvml_processes_before"] == [[freeze["job_pid"], held]]
+    assert (freeze["nvml_before"], freeze["nvml_during"], freeze["nvml_after"]) == (held, 0, held)
     # the simulated driver makes no host copy: that check says so (n/a) instead of passing on nothing
     [host] = [c for c in freeze["checks"] if c["name"].startswith("host RAM used")]
     assert host["ok"] is None and "no host copy" in host["note"], host

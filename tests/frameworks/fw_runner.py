@@ -25,8 +25,10 @@ def require(extra: str, *packages: str) -> None:
             pytest.skip(f"{name} is not installed: pip install 'gpuswap[{extra}]'", allow_module_level=True)
 
 
-def _start(script: str, out: Path, ckpt: Optional[Path], pauses: str) -> subprocess.Popen:
+def _start(script: str, out: Path, ckpt: Optional[Path], pauses: str,
+           extra_env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(extra_env or {})
     env.update(PYTHONPATH=os.pathsep.join([str(HERE), SRC]), FW_PAUSES=pauses,
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if ckpt is not None:
@@ -41,20 +43,22 @@ def _finish(proc: subprocess.Popen, out: Path, expect_rc: int) -> Optional[dict[
     return json.loads(out.read_text()) if expect_rc == 0 else None
 
 
-def run_all(script: str, tmp: Path, plans: list[str]) -> dict[str, dict[str, Any]]:
+def run_all(script: str, tmp: Path, plans: list[str],
+            env: Optional[dict[str, str]] = None) -> dict[str, dict[str, Any]]:
     """The uninterrupted run (outside gpuswap) and one run per pause plan (FW_PAUSES, e.g.
     "ram:10,disk:16") inside it, as concurrent processes. A plan ending in a disk park must exit
-    75 leaving a committed checkpoint; its result is then the restarted process's."""
-    first = {"baseline": (_start(script, tmp / "baseline.json", None, ""), tmp / "baseline.json", 0)}
+    75 leaving a committed checkpoint; its result is then the restarted process's. `env`: more
+    environment for every run (the job script's own switches)."""
+    first = {"baseline": (_start(script, tmp / "baseline.json", None, "", env), tmp / "baseline.json", 0)}
     for plan in plans:
-        first[plan] = (_start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan),
+        first[plan] = (_start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan, env),
                        tmp / f"{plan}.json", 75 if "disk" in plan else 0)
     results = {name: _finish(p, out, rc) for name, (p, out, rc) in first.items()}
     second = {}
     for plan in plans:
         if "disk" in plan:
             assert list((tmp / f"ckpt-{plan}").glob("ckpt-*.json")), "the disk park left no checkpoint"
-            second[plan] = _start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan)
+            second[plan] = _start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan, env)
     for plan, p in second.items():
         results[plan] = _finish(p, tmp / f"{plan}.json", 0)
     return results  # type: ignore[return-value]

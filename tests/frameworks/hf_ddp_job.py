@@ -32,7 +32,7 @@ class Trigger(TrainerCallback):
         self.gp = gp
 
     def on_step_end(self, args, state, control, **kwargs):
-        # runs before SafepointCallback's hook (callback order), so the pause is served there
+        # holds until the pause reached this rank; it is served at this step's safepoint
         hold_until_pause_asked(self.gp.job, state.global_step - 1)
 
 

@@ -17,11 +17,12 @@ BATCH = 8
 
 
 PLAN = "ram:10,disk:16"  # a RAM park at step 10, then a disk park mid-epoch 1 at step 16
+END = "disk:23"  # the last step of epoch 1: served at the next epoch's start
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    r = run_all(JOB, tmp_path_factory.mktemp("hf"), [PLAN])
+    r = run_all(JOB, tmp_path_factory.mktemp("hf"), [PLAN, END])
     assert r["baseline"]["global_step"] == 36 and r["baseline"]["restored_step"] is None
     return r
 
@@ -35,4 +36,54 @@ def test_ram_then_disk_park_resumes_trainer_state_exactly(runs: dict) -> None:
     # them again to do so); the samples it trained on after that are the uninterrupted run's
     trained = (36 - 16 - 1) * BATCH
     assert r["samples"][-trained:] == base["samples"][-trained:]
+    assert r["sha256"] == base["sha256"]
+
+
+
+def test_disk_park_at_the_last_step_of_an_epoch(runs: dict) -> None:
+    base, r = runs["baseline"], runs[END]
+    assert r["restored_step"] == 23
+    assert (r["global_step"], r["epoch"], r["lr"]) == (36, 3.0, base["lr"])
+    assert r["samples"][-12 * BATCH:] == base["samples"][-12 * BATCH:]   # all of epoch 2
+    assert r["sha256"] == base["sha256"]
+
+
+EVAL_PLAN = "disk:15"  # a disk park at the step the Trainer evaluates at (global step 16)
+
+
+@pytest.fixture(scope="module")
+def eval_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_all(JOB, tmp_path_factory.mktemp("hf-eval"), [EVAL_PLAN], env={"FW_HF_EVAL": "1"})
+
+
+def test_disk_park_at_an_evaluation_step_keeps_the_evaluation(eval_runs: dict) -> None:
+    """The Trainer logs, evaluates and saves after `on_step_end`: a park served there, before the
+    evaluation, resumed past it (the restarted Trainer starts at the next step), so the evaluation
+    at that step was lost and, since evaluating draws from the global RNG (its DataLoader's seed),
+    every dropout mask after it differed. The safepoint now comes after them."""
+    base, r = eval_runs["baseline"], eval_runs[EVAL_PLAN]
+    assert [s for s, _ in base["evals"]] == [8, 16, 24, 32, 36]   # and at the end of training
+    assert r["restored_step"] == 15
+    assert r["evals"] == base["evals"]   # the restored log history holds step 16's evaluation
+    assert (r["global_step"], r["epoch"], r["lr"]) == (36, 3.0, base["lr"])
+    assert r["sha256"] == base["sha256"]
+
+
+EARLY_PLAN = "disk:19"  # after the evaluation at step 16 counted once against the patience
+
+
+@pytest.fixture(scope="module")
+def early_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_all(JOB, tmp_path_factory.mktemp("hf-early"), [EARLY_PLAN], env={"FW_HF_EVAL": "early"})
+
+
+def test_disk_park_keeps_early_stopping_patience(early_runs: dict) -> None:
+    """EarlyStoppingCallback's patience counter (a stateful callback, `TrainerState.stateful_callbacks`)
+    was neither captured (only the Trainer's own `_save_checkpoint` refreshes it) nor restored
+    (`restore_callback_states_from_checkpoint` defaults to False): the resumed run counted its
+    patience from zero and trained on past the step the uninterrupted run stopped at."""
+    base, r = early_runs["baseline"], early_runs[EARLY_PLAN]
+    assert base["global_step"] == 32 and [s for s, _ in base["evals"]] == [8, 16, 24, 32]
+    assert r["restored_step"] == 19
+    assert (r["global_step"], r["evals"], r["lr"]) == (32, base["evals"], base["lr"])
     assert r["sha256"] == base["sha256"]

@@ -135,6 +135,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     dev = simcuda.SimDevice(os.environ[SIM_CUDA_DIR])
     dev.prepare()
+    dev.describe([2**40])                  # what the daemon's simulated driver writes at start
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {case: run(case, dev) for case in sys.argv[1:]}
     print(json.dumps(out), flush=True)

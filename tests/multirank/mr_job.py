@@ -26,7 +26,12 @@ common step: the test kills it during the agreement).
 --fail-dir: a test hook, in this script only: if DIR/part-r<R> exists when rank R writes its part
 of a disk checkpoint, the file is removed and the write fails (as a full disk would); if
 DIR/manifest exists when rank 0 is about to commit, rank 0 is SIGKILLed (its part is durable, the
-manifest is not written).
+manifest is not written); if DIR/slow-r<R> exists (it holds a number of seconds S), rank R's part
+is written as a slow disk would: in small pieces, evenly over at least S seconds, every byte on its
+way all the time (a part of a large job on a slow filesystem).
+--wait-file F: after `attach`, before the first step, every rank waits until F exists (a pause
+asked for before any rank reached its first safepoint: the optimizer's state is made by the first
+step, after the last measurement the runtime reported).
 --probe-buckets: the `ddp` training gets a communication hook that all-reduces like DDP's default
 one (in the reference run too, so the results stay comparable) and keeps a weak reference to each
 bucket buffer's storage (`StorageWeakRef`, which keeps nothing alive). A test hook armed by this
@@ -188,6 +193,7 @@ def main() -> None:
     ap.add_argument("--block-file", default="")
     ap.add_argument("--fail-dir", default="")
     ap.add_argument("--probe-buckets", action="store_true")
+    ap.add_argument("--wait-file", default="")
     args = ap.parse_args()
     holds = {int(h) for h in args.hold_at.split(",") if h}
     faulthandler.dump_traceback_later(600, exit=True)   # a hang ends with its stacks
@@ -213,6 +219,9 @@ def main() -> None:
     if probe is not None and getattr(job, "_client", None) is not None:
         probe_parks(job, probe)
     groups = [dist.group.WORLD]                          # every default group trained with (kept: ids unique)
+    deadline = time.monotonic() + 600
+    while args.wait_file and not os.path.exists(args.wait_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for step in range(job.start_step, args.steps):
         x = torch.randn(8, 16, generator=data)
         y = torch.randn(8, 4, generator=data)
@@ -279,6 +288,9 @@ def fail_hooks(where: Path, rank: int) -> None:
         if flag.exists():
             flag.unlink()
             raise OSError(errno.ENOSPC, "No space left on device (test)")
+        slow = where / f"slow-r{rank}"
+        if slow.exists():
+            return slowly(float(slow.read_text()), lambda: write_part(directory, payload, seq))
         return write_part(directory, payload, seq)
 
     def manifest(*a, **kw):
@@ -287,6 +299,48 @@ def fail_hooks(where: Path, rank: int) -> None:
         return write_manifest(*a, **kw)
 
     ckparts.write_part, ckparts.write_manifest = part, manifest
+
+
+def slowly(seconds: float, write: Any) -> Any:
+    """Run `write` (a part's write) with every write to its file cut into 64-byte pieces spread
+    evenly over at least `seconds`, as a slow disk would take them (test-only)."""
+    from gpuswap.runtime import checkpoint
+
+    original = checkpoint._HashingWriter.write
+    pieces: list[int] = []
+
+    def counting(self, data):                              # first pass: how many pieces in all
+        pieces.append((memoryview(data).nbytes + 63) // 64)
+        return memoryview(data).nbytes
+
+    class Dry:
+        def write(self, data):
+            return counting(None, data)
+
+        def flush(self):
+            pass
+
+    # The part's size is only known once written: take it from a dry run of the same save.
+    dry = checkpoint._write_file_atomic
+    checkpoint._write_file_atomic = lambda d, name, w: (w(Dry()), (0, "0" * 64))[1]
+    try:
+        write()
+    finally:
+        checkpoint._write_file_atomic = dry
+    pause = seconds / max(1, sum(pieces))
+
+    def slow(self, data):
+        view = memoryview(data).cast("B")
+        for i in range(0, view.nbytes, 64):
+            time.sleep(pause)
+            original(self, view[i:i + 64])
+        return view.nbytes
+
+    checkpoint._HashingWriter.write = slow
+    try:
+        return write()
+    finally:
+        checkpoint._HashingWriter.write = original
 
 
 if __name__ == "__main__":

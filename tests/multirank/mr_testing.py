@@ -2,6 +2,7 @@
 reference run outside gpuswap, bitwise comparison, and whether a process is still alive."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,19 @@ def reference(out: Path, nproc: int, steps: int, modes: str = "ddp", *extra: str
 
 def load(out: Path, rank: int) -> dict:
     return torch.load(out / f"rank{rank}.pt", weights_only=False)
+
+
+def completes_bitwise(d: Any, job: int, gate: Any, ref: Path, out: Path, steps: int, nproc: int = 2) -> None:
+    """Let the job (held at `gate`) finish: it must end COMPLETED with every rank's parameters,
+    optimizer state, RNG and data order bitwise those of the same run outside gpuswap."""
+    gate.open()
+    done = d.state(job, "COMPLETED", "FAILED")
+    assert done["state"] == "COMPLETED", json.dumps(done["events"], indent=1)
+    reference(ref, nproc, steps)
+    for rank in range(nproc):
+        a, b = load(ref / "ddp", rank), load(out / "ddp", rank)
+        for key in ("params", "optimizer", "rng", "data"):
+            assert_bitwise(a[key], b[key], f"rank {rank} {key}")
 
 
 def assert_bitwise(a: Any, b: Any, where: str) -> None:

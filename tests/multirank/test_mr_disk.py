@@ -11,7 +11,7 @@ import pytest
 
 import json
 
-from mr_testing import assert_bitwise, load, reference, torchrun
+from mr_testing import completes_bitwise, torchrun
 from gpuswap_testing import Gate
 
 from gpuswap.runtime import ckparts
@@ -89,14 +89,7 @@ def test_two_ranks_paused_to_ram_and_disk_and_spilled_end_bitwise_equal(make_dae
     restarted = [e["reason"].split(" at step ")[1].split(" ")[0] for e in j["events"]
                  if e["reason"].startswith("restarted from its disk checkpoint")]
     assert parked == restarted and len(parked) == 2, j["events"]
-    gate.open()
-    done = d.state(job, "COMPLETED", "FAILED")
-    assert done["state"] == "COMPLETED", json.dumps(done["events"], indent=1)
-    reference(ref, 2, STEPS)
-    for rank in (0, 1):
-        a, b = load(ref / "ddp", rank), load(out / "ddp", rank)
-        for key in ("params", "optimizer", "rng", "data"):
-            assert_bitwise(a[key], b[key], f"rank {rank} {key}")
+    completes_bitwise(d, job, gate, ref, out, STEPS)
 
 
 def test_rank_0_killed_before_the_manifest_leaves_the_previous_checkpoint(make_daemon, home):

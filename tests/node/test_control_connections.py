@@ -80,9 +80,9 @@ def test_a_pid_without_its_start_time_or_with_another_is_never_killed(bystander)
     assert ticks is not None
     assert processes.kill_pids([(bystander.pid, None)]) == 0
     assert processes.kill_pids([(bystander.pid, ticks + 1)]) == 0
-    assert sessions.alive(10**7, None, [(bystander.pid, None), (bystander.pid, ticks + 1)]) == 0
+    assert sessions.alive(10**7, None, os.geteuid(), [(bystander.pid, None), (bystander.pid, ticks + 1)]) == 0
     assert bystander.poll() is None                                 # untouched
-    assert sessions.alive(10**7, None, [(bystander.pid, ticks)]) == 1
+    assert sessions.alive(10**7, None, os.geteuid(), [(bystander.pid, ticks)]) == 1
     assert processes.kill_pids([(bystander.pid, ticks)]) == 1       # the process meant: killed
     assert bystander.wait(60) == -9
 

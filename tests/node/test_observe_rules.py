@@ -73,7 +73,7 @@ ROWS: list[tuple[str, JobRecord, Facts, Rules, list[tuple]]] = [
     ("started, not spawned yet", job(), Facts(seen(alive=False, spawned_at=None)), RULES, []),
     ("supervisor still starting", job(), Facts(Observation(None, False, T - 1)), RULES, []),
     ("supervisor died, processes left", job(), Facts(seen(alive=False, job_start_ticks=99), orphans=2), RULES,
-     [({}, None, None, (KillProcesses(4242, 99, ()),))]),
+     [({}, None, None, (KillProcesses(4242, 99, 1, ()),))]),
     ("supervisor died, nothing left", job(), Facts(seen(alive=False)), RULES,
      [(dict(end_time=T, state=JobState.FAILED, assigned=[], parked=None, parked_bytes=0, home_gpus=[],
             stopped=False), K.FAILED,

@@ -139,8 +139,18 @@ def test_desired_round_trip_and_the_keys_an_older_supervisor_reads(tmp_path):
     assert rundir.read_desired(tmp_path) == d and d.pause_tier == "ram"
     assert Desired.from_json({"run": "running"}) == Desired()     # what launch wrote before
     assert Desired.from_json({"run": "paused", "tier": None}).pause_tier is None
-    assert Desired.from_json({"run": 5, "tier": 3, "sigstop": 1, "max_bytes": "9"}) == Desired(sigstop=True)
-    assert Desired.from_json(None) == Desired() and rundir.read_desired(tmp_path / "none") is None
+    assert Desired.from_json({"run": "hibernating", "tier": "nvme"}) == Desired(tier="nvme")   # a newer daemon's
+    assert rundir.read_desired(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("raw", [None, [], "paused", 3, {}, {"run": 5}, {"tier": 3}, {"sigstop": 1},
+                                 {"sigstop": "no"}, {"cancel": "false"}, {"max_bytes": "9"}, {"max_bytes": True}])
+def test_a_desired_json_no_daemon_writes_is_no_wish_not_its_defaults(tmp_path, raw):
+    # Its defaults would resume, continue or stop the job by accident ("sigstop": "no" stopped it).
+    with pytest.raises(ValueError):
+        Desired.from_json(raw)
+    (tmp_path / rundir.DESIRED).write_text(json.dumps(raw))
+    assert rundir.read_desired(tmp_path) is None      # the daemon writes its record again
 
 
 def test_spec_and_spawned_round_trip(tmp_path):

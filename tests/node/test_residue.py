@@ -19,6 +19,15 @@ def _low(d: Daemon, gate: Gate, out, **opts) -> int:
     return d.submit(gate.train(out, STEPS, 0.02, HIDDEN), name="low", priority="low", env=env, **opts)
 
 
+def _using(d: Daemon, gate: Gate, declared: int, **opts) -> int:
+    """A job that holds what it declares on its (simulated) GPU, its context included, until the
+    gate opens: started where that memory is not free, it fails with CUDA's out-of-memory error, as
+    on a real GPU (simcuda.allocate is strict about room)."""
+    env = {**d.env, "GPUSWAP_SIM_CONTEXT_BYTES": str(FLOOR)}
+    take = f"from gpuswap import simcuda; simcuda.allocate({declared - FLOOR})"
+    return d.submit(gate.hold(before=take), env=env, mem=str(declared), **opts)
+
+
 def _gpu0(d: Daemon) -> dict:
     return d.client.get("/v1/gpus")["gpus"][0]
 
@@ -75,13 +84,14 @@ def test_the_floor_stays_listed_counted_and_shown_while_a_job_that_fits_runs_bes
     j = d.until(low, lambda j: j["state"] == "RUNNING" and (j["device_bytes"] or 0) > 0 and (j["step"] or 0) >= 5)
     running = d.until(low, lambda g: [p["used_bytes"] for p in g["gpus"][0]["processes"]] == [FLOOR + j["device_bytes"]],
                       get="/v1/gpus")["gpus"][0]["processes"]
-    urgent = d.submit(urgent_gate.hold(), name="urgent", priority="urgent", mem="1GiB")
+    urgent = _using(d, urgent_gate, GiB, name="urgent", priority="urgent")   # beside the floor: it fits
     d.state(urgent, "RUNNING", timeout=180)
     p = d.state(low, "PAUSED")
     assert p["parked"] == "ram" and p["residue"] == [{"gpu": 0, "bytes": FLOOR}], p
     assert any(r.startswith("parked in RAM") and "512.0 MiB stays on GPU 0" in r for r in _events(p)), _events(p)
-    g = _gpu0(d)
-    assert [(x["pid"], x["used_bytes"]) for x in g["processes"]] == [(running[0]["pid"], FLOOR)]
+    g = d.until(low, lambda g: len(g["gpus"][0]["processes"]) == 2, get="/v1/gpus")["gpus"][0]   # urgent's allocated
+    assert (running[0]["pid"], FLOOR) in [(x["pid"], x["used_bytes"]) for x in g["processes"]]
+    assert sorted(x["used_bytes"] for x in g["processes"]) == [FLOOR, GiB]
     assert g["mem_used"] >= FLOOR
     assert {x["id"]: x["residue_bytes"] for x in g["jobs"]} == {urgent: 0, low: FLOOR}
     text = d.cli("gpus").stdout
@@ -98,7 +108,7 @@ def test_the_floor_stays_listed_counted_and_shown_while_a_job_that_fits_runs_bes
             get="/v1/gpus")
     # Its floor is known now: a job that would not fit beside it has it parked to disk at once.
     big_gate = Gate(home / "big.go")
-    big = d.submit(big_gate.hold(), name="big", priority="urgent", mem="1.8GiB")
+    big = _using(d, big_gate, 18 * GiB // 10, name="big", priority="urgent")   # beside the floor it would OOM
     d.state(big, "RUNNING", timeout=180)
     j = d.job(low)
     assert j["state"] == "PAUSED" and j["parked"] == "disk", j

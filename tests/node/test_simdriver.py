@@ -19,7 +19,7 @@ from gpuswap.node import simdriver
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointError
 from gpuswap.node.gpus import SimulatedGpus
 from gpuswap.node.simdriver import SimulatedCheckpointDriver
-from gpuswap.protocol.env import SIM_CUDA_DIR
+from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
 from gpuswap.simcuda import SimDevice
 
 GiB = 2**30
@@ -194,3 +194,89 @@ def test_an_allocation_of_a_locked_process_blocks_until_it_is_unlocked(world, mo
     world.driver.unlock(me)
     t.join(120)
     assert not t.is_alive() and world.device.registration(me).nbytes == 2 * GiB
+
+
+# A process that creates a CUDA context and allocates `sys.argv[1]` bytes (0: nothing), then idles;
+# with a third argument NVML does not report its usage.
+CONTEXT_ONLY = """import sys, time
+from gpuswap import simcuda
+simcuda.allocate(int(sys.argv[1]), usage_reported=len(sys.argv) < 4)
+open(sys.argv[2], "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def _context_process(world: World, nbytes: int, context: Optional[str] = None,
+                     usage_reported: bool = True) -> subprocess.Popen:
+    ready = world.root / f"ctx-ready{len(world.procs)}"
+    env = dict(os.environ, **{SIM_CUDA_DIR: str(world.device.root), "CUDA_VISIBLE_DEVICES": "0"})
+    env.pop(SIM_CONTEXT_BYTES, None)
+    if context is not None:
+        env[SIM_CONTEXT_BYTES] = context
+    p = subprocess.Popen([sys.executable, "-c", CONTEXT_ONLY, str(nbytes), str(ready)]
+                         + ([] if usage_reported else ["unreported"]), env=env)
+    world.procs.append(p)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert p.poll() is None and time.monotonic() < deadline, "the CUDA process did not register"
+        time.sleep(0.02)
+    return p
+
+
+def _listed(world: World) -> dict[int, Optional[int]]:
+    return {p.pid: p.used_bytes for p in world.gpus.list()[0].processes}
+
+
+def test_nvml_may_list_a_process_without_its_usage_and_the_gpu_still_counts_its_memory(world):
+    """usedGpuMemory may be NVML_VALUE_NOT_AVAILABLE (NVML API reference, nvmlProcessInfo_t; pynvml
+    gives None): the process is listed with no figure, and the device's memory used still counts it
+    (its context too)."""
+    p = _context_process(world, GiB, usage_reported=False)
+    assert _listed(world) == {p.pid: None}
+    assert world.gpus.list()[0].mem_used == GiB + simcuda.DEFAULT_CONTEXT_BYTES
+
+
+def test_a_cuda_context_holds_device_memory_until_checkpoint_or_exit(world):
+    """NVML lists "processes with a compute context", their usedGpuMemory "all of the memory used
+    by the application" (NVML API reference): a process that created a context holds it, listed,
+    even if it allocated nothing (pytorch/pytorch#28113, #20532). A lock keeps it; a checkpoint
+    releases it with the rest ("all underlying references will be released"; the process vanishes,
+    cuda-checkpoint README, NVIDIA/cuda-checkpoint#31); a restore brings it back; an exit frees it."""
+    ctx = simcuda.DEFAULT_CONTEXT_BYTES
+    idle = _context_process(world, 0)
+    busy = _context_process(world, GiB)
+    assert _listed(world) == {idle.pid: ctx, busy.pid: ctx + GiB}
+    assert world.gpus.list()[0].mem_used == 2 * ctx + GiB
+    world.driver.lock(idle.pid, 10_000)
+    assert _listed(world)[idle.pid] == ctx                       # locked: still there, context and all
+    world.driver.checkpoint(idle.pid)
+    assert _listed(world) == {busy.pid: ctx + GiB}               # checkpointed: gone, its context too
+    assert world.gpus.list()[0].mem_used == ctx + GiB
+    world.driver.restore(idle.pid)
+    world.driver.unlock(idle.pid)
+    assert _listed(world) == {idle.pid: ctx, busy.pid: ctx + GiB}
+    busy.kill()
+    busy.wait()
+    assert _listed(world) == {idle.pid: ctx} and world.gpus.list()[0].mem_used == ctx
+
+
+def test_the_context_is_sized_when_it_is_created_and_a_restore_needs_room_for_it(tmp_path):
+    """The context's size comes from GPUSWAP_SIM_CONTEXT_BYTES as the process creates it. A GPU
+    with room for a frozen process's allocations but not its context cannot take it back: the
+    restore fails with CUDA_ERROR_OUT_OF_MEMORY and leaves it stuck (cuda-checkpoint#44)."""
+    MiB = 2**20
+    w = World(tmp_path, 1)
+    w.gpus.mem_total = 4 * GiB
+    try:
+        frozen = _context_process(w, 2 * GiB, context="256MiB")
+        assert _listed(w) == {frozen.pid: 2 * GiB + 256 * MiB}
+        w.freeze(frozen.pid)
+        _context_process(w, 2 * GiB - 512 * MiB, context="384MiB")   # leaves 2 GiB + 128 MiB free
+        with pytest.raises(CheckpointError) as e:
+            w.driver.restore(frozen.pid)
+        assert e.value.code == "CUDA_ERROR_OUT_OF_MEMORY" and w.driver.state(frozen.pid) == CHECKPOINTED
+    finally:
+        for p in w.procs:
+            p.kill()
+            p.wait()

@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 
 from gpuswap.policy.capability import NCCL_TRANSPARENT_REFUSAL
+from gpuswap.simcuda import DEFAULT_CONTEXT_BYTES as CTX
 from gpuswap_testing import Gate
 
 GiB = 2**30
 
-# A CUDA program stand-in: allocates on the simulated device, then makes a CUDA call (which blocks
+# A CUDA program stand-in: allocates on the simulated device (which gives it a CUDA context of CTX
+# bytes beside what it allocates, as NVML would list it), then makes a CUDA call (which blocks
 # while the driver holds it) before printing each line; held before its last line by a gate.
 FAKE = """import os, sys, time
 from gpuswap import simcuda
@@ -54,24 +56,25 @@ def gpu0(daemon) -> dict:
 
 def test_child_cuda_process_of_a_shell_is_frozen_and_thawed(daemon, home):
     # The CUDA process is the shell's child (`; echo end` keeps sh from exec'ing it): the daemon is
-    # told no pid, declared 4 GiB, and finds 3 GiB in the (simulated) NVML process list.
+    # told no pid, declared 4 GiB, and finds 3 GiB and its CUDA context in the (simulated) NVML
+    # process list.
     gate, urgent_gate = Gate(home / "go"), Gate(home / "urgent-go")
     cmd, ready = fake(home, 3 * GiB, gate)
     plain = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="plain", priority="low", mem="4GiB")
     wait_file(daemon, plain, ready)
     [proc] = gpu0(daemon)["processes"]
     status = json.loads((home / "jobs" / str(plain) / "run-1" / "status.json").read_text())
-    assert proc["used_bytes"] == 3 * GiB and proc["pid"] != status["job_pid"]     # a child, not the shell
+    assert proc["used_bytes"] == 3 * GiB + CTX and proc["pid"] != status["job_pid"]   # a child, not the shell
     urgent = daemon.submit(urgent_gate.hold(), name="urgent", priority="urgent")
     j = daemon.until(plain, lambda j: j["state"] == "PAUSED")
     assert j["parked"] == "ram" and j["mechanism"] == "transparent"
-    assert j["parked_bytes"] == 3 * GiB                       # measured before the checkpoint, not --mem
+    assert j["parked_bytes"] == 3 * GiB + CTX                 # measured before the checkpoint, not --mem
     assert "frozen transparently (SIMULATED driver)" in j["reason"] and str(proc["pid"]) in j["reason"]
     daemon.state(urgent, "RUNNING")                           # the GPU went to the other job
     g = gpu0(daemon)
-    assert g["processes"] == [] and g["mem_used"] == 0        # gone from NVML, its memory freed
+    assert g["processes"] == [] and g["mem_used"] == 0        # gone from NVML, its memory (context too) freed
     assert "SIGSTOP sent" in (home / "jobs" / str(plain) / "run-1" / "supervisor.log").read_text()
-    assert daemon.client.get("/v1/gpus")["ram_parked"] == 3 * GiB
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 3 * GiB + CTX
     urgent_gate.open()
     assert daemon.cli("wait", str(urgent)).returncode == 0
     j = daemon.until(plain, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
@@ -119,18 +122,18 @@ def test_lock_timeout_is_reported_as_a_timeout_and_the_job_runs_on(daemon, home)
     assert daemon.cli("pause", str(job)).returncode == 0
     j = daemon.until(job, lambda j: j["state"] == "RUNNING" and "cannot freeze" in j["reason"])
     assert "lock timed out after 10 s" in j["reason"], j["reason"]
-    assert gpu0(daemon)["processes"][0]["used_bytes"] == GiB       # never locked: still on the GPU
+    assert gpu0(daemon)["processes"][0]["used_bytes"] == GiB + CTX  # never locked: still on the GPU
     gate.open()
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 
 
 def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make_daemon, home):
-    """Two driver-frozen jobs under a 5 GiB host-RAM budget, each declared at 4 GiB but holding 2 GiB
-    (NVML's measure before the lock). The budget counts what each park really holds: both fit (4 GiB
-    parked). After the checkpoint NVML lists neither process; a footprint read then, falling back
-    to the declared size, would count the first at 4 GiB and refuse the second ("not frozen: ...
-    would exceed the host-RAM budget")."""
-    daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--ram-budget", "5GiB")
+    """Two driver-frozen jobs under a 6 GiB host-RAM budget, each declared at 4 GiB but holding 2 GiB
+    and its 0.5 GiB CUDA context (NVML's measure before the lock). The budget counts what each park
+    really holds: both fit (5 GiB parked). After the checkpoint NVML lists neither process; a
+    footprint read then, falling back to the declared size, would count the first at 4 GiB and
+    refuse the second ("not frozen: ... would exceed the host-RAM budget")."""
+    daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--ram-budget", "6GiB")
     gate = Gate(home / "go")
     jobs = []
     for tag in "ab":
@@ -141,8 +144,8 @@ def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make
         assert daemon.cli("pause", str(job)).returncode == 0
         j = daemon.until(job, lambda j: j["state"] == "PAUSED" or "not frozen" in j["reason"])
         assert j["state"] == "PAUSED", j["reason"]
-    assert [daemon.job(job)["parked_bytes"] for job in jobs] == [2 * GiB, 2 * GiB]   # measured, not declared
-    assert daemon.client.get("/v1/gpus")["ram_parked"] == 4 * GiB
+    assert [daemon.job(job)["parked_bytes"] for job in jobs] == [2 * GiB + CTX] * 2   # measured, not declared
+    assert daemon.client.get("/v1/gpus")["ram_parked"] == 4 * GiB + 2 * CTX
     for job in jobs:
         assert daemon.cli("resume", str(job)).returncode == 0
     for job in jobs:
@@ -154,9 +157,10 @@ def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make
 
 
 def test_no_restore_into_a_gpu_without_room(make_daemon, home):
-    """Someone outside gpuswap takes 6 of the GPU's 8 GiB while a 3 GiB job is frozen: the daemon
-    waits rather than restore (a restore that runs out of memory leaves the process stuck for good,
-    and the simulated driver, like the real one, then fails every later restore)."""
+    """Someone outside gpuswap takes 6 of the GPU's 8 GiB (its context included) while a job of
+    3 GiB and its context is frozen: the daemon waits rather than restore (a restore that runs out
+    of memory leaves the process stuck for good, and the simulated driver, like the real one, then
+    fails every later restore)."""
     daemon = make_daemon("--simulate-gpus", "1x8GiB", "--min-runtime", "1")
     gate, rogue_gate = Gate(home / "go"), Gate(home / "rogue-go")
     cmd, ready = fake(home, 3 * GiB, gate)
@@ -164,7 +168,7 @@ def test_no_restore_into_a_gpu_without_room(make_daemon, home):
     wait_file(daemon, job, ready)
     assert daemon.cli("pause", str(job)).returncode == 0
     daemon.until(job, lambda j: j["state"] == "PAUSED")
-    rogue_script, rogue_ready = fake(home, 6 * GiB, rogue_gate, tag="rogue")
+    rogue_script, rogue_ready = fake(home, 6 * GiB - CTX, rogue_gate, tag="rogue")
     env = dict(os.environ, GPUSWAP_SIM_CUDA_DIR=str(home / "simulated-driver"), CUDA_VISIBLE_DEVICES="0")
     rogue = subprocess.Popen(["sh", "-c", f"exec {rogue_script}"], env=env, stdout=subprocess.DEVNULL)
     try:

@@ -177,6 +177,20 @@ def test_disk_park_commits_every_part_then_every_rank_exits():
     assert c.poll(T0 + 1e6) == [] and c.phase == ag.CHECKPOINTED   # no deadline once committed
 
 
+def test_a_rank_that_attaches_again_after_the_commit_does_not_undo_it():
+    """torchrun restarting a worker that exited 75 races the supervisor: the new process's hello
+    after the commit was read as a reconnect during the pause and killed the job, FAILED, with
+    its checkpoint committed."""
+    c = coordinator()
+    agree(c, tier="disk")
+    c.receive(0, rep({"op": "part", "epoch": 1}), T0)
+    c.receive(1, rep({"op": "part", "epoch": 1}), T0)
+    c.receive(0, rep({"op": "committed", "epoch": 1, "path": "m", "bytes": 3, "step": 9}), T0)
+    assert c.lost(1, T0) == []
+    assert c.hello(1, 2, T0 + 1, pid=999) == []
+    assert c.phase == ag.CHECKPOINTED and c.facts()["state"] == "checkpointed"
+
+
 def test_commit_lists_every_part_in_rank_order():
     c = coordinator()
     agree(c, tier="disk")
@@ -295,6 +309,51 @@ def test_a_failed_resume_leaves_the_job_parked():
             (("msg", 1, "error", {"message": "CUDA out of memory"}), BOTH("release"))])
     assert c.phase == ag.PARKED and c.facts()["state"] == "paused"
     assert "resume failed, job stays parked: rank 1: CUDA out of memory" == c.error
+
+
+def test_a_job_parked_in_ram_has_no_deadline():
+    # The pause timeout bounds the moves, not the park: a job parked longer than it was killed.
+    c = coordinator()
+    agree(c)
+    c.receive(0, rep({"op": "paused", "epoch": 1, "bytes": 1}), T0)
+    c.receive(1, rep({"op": "paused", "epoch": 1, "bytes": 1}), T0)
+    assert c.phase == ag.PARKED
+    assert c.poll(T0 + 1e6) == [] and c.phase == ag.PARKED
+    # The resume is a move again, bounded from when it was asked for.
+    run(c, [(("want", "running", None), BOTH("resume"))])
+    assert c.poll(T0 + 29) == []
+    eff = c.poll(T0 + 31)
+    assert len(eff) == 1 and isinstance(eff[0], ag.Kill) and "did not finish unparking" in eff[0].reason
+    assert c.poll(T0 + 1e6) == []          # killed once: no second verdict with a phase "failed"
+
+
+def test_a_disk_park_is_bounded_by_progress_not_by_its_length():
+    # Writing the parts of a large job can take longer than the timeout: a rank whose write
+    # moves (bytes written, in its usage reports) is waited for; one that stops moving is not.
+    c = coordinator(timeout_s=30.0)
+    agree(c, tier="disk")
+    c.receive(1, rep({"op": "usage", "device_bytes": 0, "written": 100}), T0)   # before: no progress
+    assert c.receive(0, rep({"op": "part", "epoch": 1}), T0 + 1) == []
+    for t in range(10, 100, 10):          # rank 1 writes on, 90 s in all
+        c.receive(1, rep({"op": "usage", "device_bytes": 0, "written": 100 + t}), T0 + t)
+        assert c.poll(T0 + t + 25) == [], t
+    assert c.phase == ag.PARKING
+    eff = c.poll(T0 + 90 + 31)            # then it stops moving
+    assert len(eff) == 1 and isinstance(eff[0], ag.Kill), eff
+    assert "rank 1" in eff[0].reason and "rank 0" not in eff[0].reason, eff[0].reason
+    assert c.lost(0, T0 + 200) == []     # the job is being ended already: no second verdict
+
+
+@pytest.mark.parametrize("tier, wrong", [("ram", "part"), ("disk", "paused")])
+def test_a_report_that_does_not_answer_the_park_is_ignored(tier, wrong):
+    c = coordinator()
+    agree(c, tier=tier)
+    right = "paused" if tier == "ram" else "part"
+    assert c.receive(0, rep({"op": right, "epoch": 1, "bytes": 1}), T0) == []
+    assert c.receive(1, rep({"op": wrong, "epoch": 1, "bytes": 1}), T0) == []
+    assert c.phase == ag.PARKING and c.ranks[1].state == "ready"
+    eff = c.poll(T0 + 31)
+    assert len(eff) == 1 and "rank 1 (at tick 6) did not finish parking" in eff[0].reason, eff
 
 
 def test_a_failed_spill_leaves_the_job_parked_in_ram():

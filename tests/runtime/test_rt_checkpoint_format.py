@@ -114,15 +114,20 @@ def test_only_two_newest_are_kept_and_orphans_ignored(tmp_path):
     assert not (tmp_path / "ckpt-000009.pt").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "missing"])
+@pytest.mark.parametrize("damage", ["truncate", "missing", "flip"])
 def test_a_damaged_checkpoint_is_not_kept_in_place_of_the_good_one_it_fell_back_to(tmp_path, damage):
     """After a restore fell back past a truncated checkpoint, the next save kept the newest two
     by number -- the new one and the truncated one -- and deleted the good one restored from; a
-    fault in the new one then left nothing to restore."""
+    fault in the new one then left nothing to restore. A flipped byte keeps the payload's size, so
+    only the restore that refused it knows (`checkpoint.distrust`)."""
     _write(tmp_path, 10, 1.0)
     bad = tmp_path / _write(tmp_path, 20, 2.0).payload
     if damage == "truncate":
         os.truncate(bad, bad.stat().st_size // 2)
+    elif damage == "flip":
+        data = bytearray(bad.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        bad.write_bytes(bytes(data))
     else:
         bad.unlink()
     assert checkpoint.load_latest(tmp_path)[0].step == 10           # the fallback

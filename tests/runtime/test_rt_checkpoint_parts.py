@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuswap import fsutil
-from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
+from gpuswap.protocol.env import ADOPT_CHECKPOINTS, RESTART_ON_BAD_CHECKPOINT
 from gpuswap.runtime import checkpoint, ckparts, rankstate, rng
 from gpuswap.runtime.objects import classify
 
@@ -350,3 +350,17 @@ def test_a_checkpoint_that_does_not_fit_ends_with_restore_failed(one_rank_group,
         rankstate.restore_latest(str(tmp_path), None, [classify("model", other)], {}, 0, 1)
     assert ended.value.code == 1
     assert "cannot resume: rank 0:" in capsys.readouterr().err
+
+
+def test_a_multi_rank_checkpoint_of_another_job_is_refused_on_every_rank_unless_adopted(tmp_path):
+    """Two jobs given one checkpoint directory: the newest checkpoint there is job "j"'s, so job
+    "k" would have resumed j's state. Every rank refuses it alike (each rank decides alone, and a
+    mix would hang the job); naming j in GPUSWAP_ADOPT_CHECKPOINTS continues j's training."""
+    _commit(tmp_path, 2, 7, 1.5)
+    for rank in (0, 1):
+        with pytest.raises(checkpoint.ForeignCheckpoint, match=r"written by job j, not by this job \(k\)"):
+            ckparts.choose(tmp_path, rank, 2, env={RESTART_ON_BAD_CHECKPOINT: "1"}, job_id="k")
+        chosen, _ = ckparts.choose(tmp_path, rank, 2, env={ADOPT_CHECKPOINTS: "j"}, job_id="k")
+        assert chosen is not None and chosen.own["user_state"]["v"] == 1.5
+        mine, _ = ckparts.choose(tmp_path, rank, 2, env={}, job_id="j")
+        assert mine is not None and mine.info.step == 7

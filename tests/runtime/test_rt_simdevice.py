@@ -3,6 +3,7 @@ context floor plus its attached bytes; a RAM park leaves exactly the floor (a pa
 it); a resume puts the attached bytes back (runtime/simdevice.py, issue 12 bug 5)."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -26,10 +27,11 @@ def device(monkeypatch, tmp_path, peer):
     monkeypatch.setenv(SIM_CUDA_DIR, str(tmp_path / "sim"))
     monkeypatch.setenv(SIM_CONTEXT_BYTES, str(FLOOR))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    for name in ("_registered", "_pid", "_floor"):        # a fresh process, as far as the module knows
+    for name in ("_registered", "_pid"):                  # a fresh process, as far as the module knows
         monkeypatch.setattr(simdevice, name, None)
     dev = simcuda.SimDevice(tmp_path / "sim")
     dev.prepare()
+    dev.describe([2**40, 2**40])           # what the daemon's simulated driver writes at start
     return dev
 
 
@@ -81,7 +83,7 @@ def test_a_registration_blocks_while_the_driver_holds_the_process(device, monkey
     t = threading.Thread(target=simdevice.hold, args=(200, True))
     t.start()
     assert waiting.wait(60), "the registration did not wait for the thaw"
-    assert device.registration(me).nbytes == FLOOR + 100 and _held(device) == []   # checkpointed: not listed
+    assert device.registration(me).used == FLOOR + 100 and _held(device) == []     # checkpointed: not listed
     driver.restore(me)
     driver.unlock(me)
     t.join(120)
@@ -103,6 +105,7 @@ def test_a_one_process_ddp_keeps_its_bucket_buffers_through_a_park_and_the_simul
     dist = torch.distributed
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("no torch.distributed with gloo")
+    gc.collect()    # DDPs an earlier test in this process left unreachable are gone: only this one holds buckets
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
@@ -117,3 +120,75 @@ def test_a_one_process_ddp_keeps_its_bucket_buffers_through_a_park_and_the_simul
         job.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_attach_on_a_full_simulated_gpu_raises_torchs_out_of_memory_error(device, peer):
+    """The attached bytes are the job's device memory: on a GPU without room for them the job
+    fails with torch's own error, as its real `.to("cuda")` would (simcuda, strict about room)."""
+    device.describe([2**40, FLOOR + 100])
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate") as e:
+        gpuswap.attach(model=torch.nn.Linear(64, 64))
+    assert isinstance(e.value.__cause__, simcuda.OutOfMemoryError)
+    assert _held(device) == [(os.getpid(), 1, FLOOR)]     # the context was made; the tensors were not
+
+
+def test_a_resume_onto_a_gpu_another_process_filled_fails_stays_parked_and_retries(device, peer, tmp_path):
+    """While the job is parked in RAM another process takes the GPU's free memory: the resume's
+    refill fails with torch's out-of-memory error, as parking.restore's would on a real GPU, the
+    job reports it and stays parked (holding its floor only); once the memory is free again the
+    next resume brings everything back."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    model = torch.nn.Linear(64, 64)
+    job = gpuswap.attach(model=model)
+    attached = job.device_bytes()
+    device.describe([2**40, FLOOR + attached + FLOOR + attached])   # room for the job and one more like it
+    ready = tmp_path / "filler-ready"
+    seen: dict = {}
+
+    def drive() -> None:
+        deadline = time.monotonic() + 120
+        job.request_pause("ram")
+        while not job.parked:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        filler = subprocess.Popen([sys.executable, "-c",
+                                   "import sys, time; from gpuswap import simcuda; "
+                                   f"simcuda.allocate({attached + 1}); open(sys.argv[1], 'w').close(); time.sleep(3600)",
+                                   str(ready)])
+        try:
+            while not ready.exists():
+                assert filler.poll() is None and time.monotonic() < deadline, "the filler did not allocate"
+                time.sleep(0.01)
+            job.request_resume()
+            while not any(m["op"] == "error" for m in peer.log):
+                assert time.monotonic() < deadline, "no error for the failed resume"
+                time.sleep(0.01)
+            seen["error"] = next(m for m in peer.log if m["op"] == "error")["message"]
+            seen["parked"], seen["held"] = job.parked, _held(device)
+        finally:
+            filler.kill()
+            filler.wait()
+        while any(pid == filler.pid for pid, _, _ in device.resident()):   # its registration dies with it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        job.request_resume()
+
+    t = threading.Thread(target=drive)
+    t.start()
+    while job._phase == "running" and not job._pending:
+        time.sleep(0.001)
+    job.safepoint(0)                # returns once resumed
+    t.join()
+    assert seen["error"].startswith("resume from ram failed: OutOfMemoryError: CUDA out of memory. Tried to allocate")
+    assert seen["parked"] and seen["held"] == [(os.getpid(), 1, FLOOR)]
+    assert _held(device) == [(os.getpid(), 1, FLOOR + attached)]
+    deadline = time.monotonic() + 60
+    while not any(m["op"] == "resumed" for m in peer.log):      # sent before safepoint returned
+        assert time.monotonic() < deadline, peer.log
+        time.sleep(0.01)
+    assert [m["op"] for m in peer.log if m["op"] in ("paused", "error", "resumed")] == ["paused", "error", "resumed"]
+    job.close()

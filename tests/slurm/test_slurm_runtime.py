@@ -128,3 +128,151 @@ def test_a_second_attach_takes_back_replaced_signal_handlers(tmp_path: Path) -> 
     assert p.stderr.count("got SIGUSR2 from Slurm") == 1
     manifests = sorted((tmp_path / ".gpuswap" / "ckpt" / "8").glob("ckpt-*.json"))
     assert len(manifests) == 1 and json.loads(manifests[0].read_text())["step"] >= 5
+
+
+SELF_SIGNAL = """
+import os, signal, sys, time
+import torch
+import gpuswap
+
+job = gpuswap.attach(model=torch.nn.Linear(2, 2))
+for step in range(500):
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    job.safepoint(step)
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("value", ["TERMM", "KILL", "99", "SEGV"])
+def test_a_bad_signal_list_is_ignored_with_one_line_not_a_traceback(tmp_path: Path, value: str) -> None:
+    """`$GPUSWAP_SLURM_SIGNALS` is the job owner's text, read at attach while the job trains: a value
+    that is no signal list (or a fault signal, whose handler would spin forever) gets one line and
+    the default signals, and SIGTERM still checkpoints."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(SLURM_JOB_ID="12", SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit",
+               GPUSWAP_SLURM_SIGNALS=value,
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", SELF_SIGNAL], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == REQUEUE_EXIT_CODE, (p.returncode, p.stderr)
+    assert "gpuswap: ignoring GPUSWAP_SLURM_SIGNALS: " in p.stderr and "using USR2,TERM" in p.stderr
+    assert len(list((tmp_path / ".gpuswap" / "ckpt" / "12").glob("ckpt-*.json"))) == 1
+    assert subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "slurm-wrap", "--signals", value, "--",
+                           "true"], env=env, capture_output=True, timeout=60).returncode == 64
+
+
+SHAPED = """
+import os, signal, sys, time
+import torch
+import gpuswap
+
+
+class Signals:
+    # State whose restore gets Slurm's signal (third argument "signal"): the moment a checkpoint loads.
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        if sys.argv[3:] == ["signal"]:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+
+shape, out = tuple(int(n) for n in sys.argv[1].split("x")), int(sys.argv[2])
+t = torch.zeros(shape)
+job = gpuswap.attach(t=t, model=torch.nn.Linear(2, out), signals=Signals())
+print(f"start {job.start_step}", flush=True)
+for step in range(job.start_step, 500):
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGUSR2)
+    t += 1
+    job.safepoint(step)
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_a_checkpoint_that_does_not_fit_the_objects_ends_the_job_with_one_line(tmp_path: Path) -> None:
+    """A restart whose script attaches other shapes than the checkpoint holds (the script was edited
+    between requeues) must not resume: a tensor was broadcast into the new shape and training went on
+    from that wrong state; a module's size mismatch ended the job with a traceback. Now: one line,
+    exit 1, and the checkpoint is kept for the script that fits it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(SLURM_JOB_ID="13", SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit",
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+
+    def run(shape: str, out: int, restarts: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SHAPED, shape, str(out)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
+
+    first = run("4", 2, 0)
+    assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
+    [manifest] = (tmp_path / ".gpuswap" / "ckpt" / "13").glob("ckpt-*.json")
+    saved_step = json.loads(manifest.read_text())["step"]
+    for shape, out in (("3x4", 2), ("4", 3)):    # a broadcastable tensor; a module of another size
+        p = run(shape, out, 1)
+        assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+        assert "start" not in p.stdout and "Traceback" not in p.stderr, p.stderr
+        lines = [line for line in p.stderr.splitlines() if "cannot resume" in line]
+        assert len(lines) == 1 and "does not fit the attached objects" in lines[0], p.stderr
+    p = run("4", 2, 1)             # the script that fits it resumes after the saved step, runs to its end
+    assert p.returncode == 3 and p.stdout.startswith(f"start {saved_step + 1}\n"), (p.stdout, p.stderr)
+
+
+def test_a_job_given_another_jobs_checkpoint_directory_does_not_resume_its_state(tmp_path: Path) -> None:
+    """Two Slurm jobs given one GPUSWAP_CKPT_DIR (a job array with a fixed directory): the second
+    restored the first one's weights silently and trained on from its step. Now it ends at attach
+    with one line naming the other job, writes nothing there, and the first job's checkpoint still
+    resumes the first job; GPUSWAP_ADOPT_CHECKPOINTS=<that job> continues its training on purpose."""
+    shared = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit", GPUSWAP_CKPT_DIR=str(shared),
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+
+    def run(job: str, restarts: int, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SHAPED, "4", "2"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env=dict(env, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=str(restarts), **extra))
+
+    first = run("101", 0)
+    assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
+    [manifest] = shared.glob("ckpt-*.json")
+    saved_step = json.loads(manifest.read_text())["step"]
+    other = run("102", 0)
+    assert other.returncode == 1 and "start" not in other.stdout, (other.stdout, other.stderr)
+    assert "Traceback" not in other.stderr, other.stderr
+    [line] = [x for x in other.stderr.splitlines() if "cannot resume" in x]
+    assert "written by job 101, not by this job (102)" in line and "GPUSWAP_ADOPT_CHECKPOINTS=101" in line
+    assert list(shared.glob("ckpt-*.json")) == [manifest]            # nothing of job 102's written there
+    adopted = run("103", 0, GPUSWAP_ADOPT_CHECKPOINTS="101")          # on purpose: resumes it, to its end
+    assert adopted.returncode == 3 and adopted.stdout.startswith(f"start {saved_step + 1}\n"), adopted.stderr
+    assert f"resuming from checkpoint seq 1 (step {saved_step}) of job 101" in adopted.stderr
+    again = run("101", 1)                                              # the owner's restart resumes it
+    assert again.returncode == 3 and again.stdout.startswith(f"start {saved_step + 1}\n"), again.stderr
+
+
+def test_a_signal_while_the_checkpoint_is_restored_checkpoints_at_the_first_safepoint(tmp_path: Path) -> None:
+    """Slurm's signal during `attach`'s restore (a time limit's warning, or a second preemption,
+    while a large checkpoint loads) met the default action: the job died by SIGUSR2, unrequeued,
+    with nothing saved. Now it is caught from the start of attach and acted on at the first safepoint."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(SLURM_JOB_ID="14", SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit",
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+
+    def run(mode: str, restarts: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SHAPED, "4", "2", mode], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
+
+    first = run("", 0)
+    assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
+    ckpt = tmp_path / ".gpuswap" / "ckpt" / "14"
+    saved_step = max(json.loads(m.read_text())["step"] for m in ckpt.glob("ckpt-*.json"))
+    second = run("signal", 1)
+    assert second.returncode == REQUEUE_EXIT_CODE, (second.returncode, second.stderr)
+    assert second.stdout.startswith(f"start {saved_step + 1}\n") and "got SIGUSR2 from Slurm" in second.stderr
+    steps = sorted(json.loads(m.read_text())["step"] for m in ckpt.glob("ckpt-*.json"))
+    assert steps == [saved_step, saved_step + 1], steps     # saved again at its first safepoint
+    third = run("", 2)
+    assert third.returncode == 3 and third.stdout.startswith(f"start {saved_step + 2}\n"), third.stderr

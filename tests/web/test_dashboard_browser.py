@@ -295,10 +295,11 @@ def test_dashboard_header_durations_icon_job_links_and_frozen_jobs(browser, make
     d = web.daemon
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    # No runtime and no --mem: a (simulated) CUDA process whose memory NVML does not report
-    # (usedGpuMemory unavailable), frozen by the driver without a measured footprint.
+    # No runtime and no --mem: a (simulated) CUDA process holding 1 GiB whose memory NVML does not
+    # report (usedGpuMemory unavailable), frozen by the driver without a measured footprint.
     ready = tmp_path / "cuda-ready"
-    frozen = d.submit([sys.executable, "-c", "import sys, time; from gpuswap import simcuda; simcuda.allocate(0); "
+    frozen = d.submit([sys.executable, "-c", "import sys, time; from gpuswap import simcuda; "
+                       "simcuda.allocate(2**30, usage_reported=False); "
                        "open(sys.argv[1], 'w').close(); time.sleep(600)", str(ready)],
                       name="frozen", pause_mode="transparent")
     d.until(frozen, lambda j: ready.exists())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import sys
 
+from gpuswap import simcuda
+
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]   # no gpuswap runtime: held until the test ends
 
 
@@ -59,8 +61,9 @@ def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
     assert d.job(low)["state"] in ("PAUSING", "PAUSED")
     parked = d.state(low, "PAUSED")
     # The simulated driver moves no memory: its park is the job's whole footprint for the RAM
-    # budget, but its timing teaches no bandwidth (a zero-byte move would be costed as 16 GiB).
-    assert parked["parked_bytes"] == 16 * 2**30, parked
+    # budget (its 16 GiB and its CUDA context, as NVML lists them), but its timing teaches no
+    # bandwidth (a zero-byte move would be costed as 16 GiB).
+    assert parked["parked_bytes"] == 16 * 2**30 + simcuda.DEFAULT_CONTEXT_BYTES, parked
     bw = d.client.get("/v1/gpus")["bandwidths"]["ram_park_bps"]
     assert bw["source"].startswith("calibrated") and bw["samples"] == 0, bw
     events = [e["reason"] for e in d.job(urgent)["events"]]

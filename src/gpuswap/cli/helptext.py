@@ -71,6 +71,8 @@ JOB_ENVIRONMENT = "\n\n".join((
     _table("read by the runtime in the job", (
         ("GPUSWAP_RESTART_ON_BAD_CHECKPOINT", '"1": when no checkpoint is usable, start from step 0 '
                                               "instead of failing"),
+        ("GPUSWAP_ADOPT_CHECKPOINTS", "a job id: resume from the checkpoints that job left in "
+                                      "GPUSWAP_CKPT_DIR (otherwise another job's are refused)"),
         ("GPUSWAP_PINNED_KEEP_S", "seconds an idle pinned host buffer is kept for the next park "
                                   "(0 to 3600; default 30)"),
     ), 36),

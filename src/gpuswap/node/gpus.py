@@ -3,7 +3,8 @@
 Simulated devices exist so that the whole product runs on a laptop or CI; every record they
 produce carries `simulated: True`. With a `SimDevice` (gpuswap.simcuda) attached, as the daemon
 does, they list the simulated CUDA processes like `nvmlDeviceGetComputeRunningProcesses` and their
-memory in use: a process checkpointed by the driver is not listed and holds nothing. A simulated
+memory in use, each process's CUDA context included: a process checkpointed by the driver is not
+listed and holds nothing. A simulated
 GPU no such process has touched reports `mem_used` None: its callers fill it in from job reports.
 """
 from __future__ import annotations
@@ -79,14 +80,16 @@ class SimulatedGpus(GpuInventory):
 
     def list(self) -> list[GpuInfo]:
         procs: dict[int, list[GpuProcess]] = {}
+        used: dict[int, int] = {}
         touched: set[int] = set()
         if self.device is not None:
             touched = self.device.gpus_in_use()
-            for pid, gpu, nbytes in self.device.resident():
-                procs.setdefault(gpu, []).append(GpuProcess(pid, nbytes))
+            for pid, gpu, nbytes, reported in self.device.listed():
+                # a process whose usage NVML does not report still holds its memory (simcuda.allocate)
+                procs.setdefault(gpu, []).append(GpuProcess(pid, nbytes if reported else None))
+                used[gpu] = used.get(gpu, 0) + nbytes
         return [GpuInfo(i, "simulated GPU", self.uuid(i), self.mem_total,
-                        sum(p.used_bytes or 0 for p in procs.get(i, ())) if i in touched else None, True,
-                        tuple(procs.get(i, ())))
+                        used.get(i, 0) if i in touched else None, True, tuple(procs.get(i, ())))
                 for i in range(self.count)]
 
     @staticmethod

@@ -10,16 +10,22 @@ counted, and a connection that sends MAX_BAD of them is closed with one log line
 A single-rank job's messages are folded into status.json's `runtime` here; a multi-rank job's
 (its first hello says world_size > 1) go to its ranks' coordinator (runtime/ranktable.py), whose
 facts replace them.
+
+When the job has ended, `drain` folds what its connections still carry before the supervisor
+records the exit: the runtime sends `checkpointed` and exits at once, and a reader thread that
+had not got to that line yet when the exit was seen left the job FAILED instead of requeued.
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
 from typing import Callable, Optional
 
 from gpuswap import peercred, processes
+from gpuswap.node import sessions
 from gpuswap.node.statusfile import StatusFile
 from gpuswap.protocol import channel, messages, records
 from gpuswap.protocol.rundir import Desired, Spec
@@ -54,7 +60,11 @@ class JobChannel:
         self.sent: Optional[tuple[str, Optional[str]]] = None
         self.ranks: Optional[RankTable] = None
         self._conns_lock = threading.Lock()
-        self._open = 0                  # control connections being served
+        self._served: set[socket.socket] = set()     # control connections being served
+        self._all_done = threading.Condition(self._conns_lock)   # notified as each one ends
+        self._accepting = threading.Lock()  # held from an accept until its connection is registered
+        self._draining = False          # the job has ended: no more orders go out (`drain`)
+        self._srv: Optional[socket.socket] = None
 
     # -- the socket ---------------------------------------------------------------------------
     def serve(self) -> None:
@@ -73,32 +83,73 @@ class JobChannel:
             os.chown(address, *owner)
             os.chmod(address, 0o600)
         srv.listen(4)
-        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+        srv.setblocking(False)         # taken by `_take_waiting`, from the accept thread or `drain`
+        self._srv = srv
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def _accept(self, srv: socket.socket) -> None:
-        allowed = {0, os.geteuid(), self.spec.uid}
+    def _accept(self) -> None:
+        assert self._srv is not None
+        waiting = select.poll()
+        waiting.register(self._srv, select.POLLIN)
         while True:
-            conn, _ = srv.accept()
-            pid, uid = peer_cred(conn)
-            # The connecting process's start time, now: with its pid it names that process for good
-            # (ranktable.py). One already gone (or in another pid namespace) leaves none: such a
-            # process is never recorded as a rank's, so never killed.
-            ticks = processes.start_ticks(pid) if pid else None
-            if uid not in allowed:
-                conn.close()
-                continue
-            with self._conns_lock:
-                if self._open >= self._conn_limit():
-                    over = True
-                else:
-                    over = False
-                    self._open += 1
-            if over:
-                conn.close()
-                self.files.log_limited(f"closed a control connection (pid {pid}): {self._conn_limit()} "
-                                       "are open, more than this job can use")
-                continue
-            threading.Thread(target=self._read, args=(conn, pid, ticks), daemon=True).start()
+            waiting.poll()
+            if not self._take_waiting():
+                time.sleep(0.1)        # out of fds or memory: try again, without spinning
+
+    def _take_waiting(self) -> bool:
+        """Accept and register every connection waiting on the socket. Under `_accepting`, so a
+        connection is never out of the backlog and not yet in `_served` while `drain` looks.
+        False: an accept failed for want of resources (the connection stays waiting)."""
+        assert self._srv is not None
+        with self._accepting:
+            while True:
+                try:
+                    conn, _ = self._srv.accept()
+                except (BlockingIOError, InterruptedError):
+                    return True
+                except OSError:
+                    return False
+                conn.setblocking(True)
+                self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        allowed = {0, os.geteuid(), self.spec.uid}
+        pid, uid = peer_cred(conn)
+        # The connecting process's start time, now: with its pid it names that process for good
+        # (ranktable.py). One already gone (or in another pid namespace) leaves none: such a
+        # process is never recorded as a rank's, so never killed.
+        ticks = processes.start_ticks(pid) if pid else None
+        if uid not in allowed:
+            conn.close()
+            return
+        with self._conns_lock:
+            over = len(self._served) >= self._conn_limit()
+            if not over:
+                self._served.add(conn)
+                if self._draining:
+                    _half_close(conn)
+        if over:
+            conn.close()
+            self.files.log_limited(f"closed a control connection (pid {pid}): {self._conn_limit()} "
+                                   "are open, more than this job can use")
+            return
+        threading.Thread(target=self._read, args=(conn, pid, ticks), daemon=True).start()
+
+    def drain(self, timeout_s: float) -> int:
+        """Once every process of the job is gone: fold all its connections carry, to their end,
+        before the exit is recorded. Every connection is half-closed first (no order will come
+        any more), and each ends when no process holds its other end: those of the job's session
+        and of its ranks are dead already, so only one that left the session (setsid) can keep
+        us waiting, at most `timeout_s`. Returns how many are still open then."""
+        self._take_waiting()               # made before the job died, not accepted yet
+        deadline = time.monotonic() + timeout_s
+        with self._conns_lock:
+            self._draining = True
+            for conn in self._served:
+                _half_close(conn)
+            while self._served and (left := deadline - time.monotonic()) > 0:
+                self._all_done.wait(left)
+            return len(self._served)
 
     def _conn_limit(self) -> int:
         gpus = self.spec.extra_env.get("CUDA_VISIBLE_DEVICES", "")
@@ -112,7 +163,8 @@ class JobChannel:
             self._serve_conn(conn, peer_pid, peer_ticks)
         finally:
             with self._conns_lock:
-                self._open -= 1
+                self._served.discard(conn)
+                self._all_done.notify_all()
 
     def _serve_conn(self, conn: socket.socket, peer_pid: Optional[int], peer_ticks: Optional[int]) -> None:
         files, bad = self.files, 0
@@ -213,7 +265,8 @@ class JobChannel:
         files, now = self.files, time.time()
         with files.lock:
             if self.ranks is None:
-                self.ranks = RankTable(self.spec.pause_timeout_s, self._on_kill, files.log)
+                self.ranks = RankTable(self.spec.pause_timeout_s, self._on_kill, files.log,
+                                       uid=sessions.job_uid(self.spec.uid))
                 files.log(f"multi-rank job: {msg.world_size if isinstance(msg, records.Hello) else '?'} ranks")
             if isinstance(msg, records.Hello):
                 if (msg.world_size or 1) == 1 or not self.ranks.hello(conn, msg, peer_pid, now, peer_ticks):
@@ -248,3 +301,11 @@ class JobChannel:
                 rt[keep] = old[keep]
         status.runtime = rt
         status.rank_pids = self.ranks.pid_records()
+
+
+def _half_close(conn: socket.socket) -> None:
+    """No more orders on `conn`: its peer reads its end; what it sends is still read."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass

@@ -91,8 +91,13 @@ class JobProcess:
         self.files.write()
         return False
 
+    @property
+    def reaped(self) -> bool:
+        """The main process was waited for: its pid, the group's id, may name another's now."""
+        return self.child is not None and self.child.returncode is not None
+
     def signal_group(self, sig: int) -> None:
-        if self.child is None:
+        if self.child is None or self.reaped:
             return
         try:
             os.killpg(self.child.pid, sig)

@@ -225,7 +225,8 @@ def _supervisor_died(job: JobRecord, obs: Observation, orphans: int, now: float)
     if pid is not None and pid > 1:
         if orphans:
             # A multi-rank job's ranks lead sessions of their own (torchrun): killed by pid and start time.
-            return Transition(now, effects=(KillProcesses(pid, obs.job_start_ticks, tuple(obs.rank_pids)),))
+            kill = KillProcesses(pid, obs.job_start_ticks, job.uid, tuple(obs.rank_pids))
+            return Transition(now, effects=(kill,))
             # confirmed gone at a later tick, before anything else gets its GPUs
         why = "its supervisor died without recording an exit status; its processes were killed"
     else:

@@ -115,7 +115,8 @@ def node_facts(launcher: Launcher, gpus: GpuInventory, job: JobRecord) -> observ
     if observe.wants_residue(job, obs):
         return observe.Facts(obs, residue=residue.measure(obs.job_pid, gpus, job.assigned))
     if obs.exit is None and not obs.alive and pid is not None and pid > 1:
-        return observe.Facts(obs, orphans=sessions.alive(pid, obs.job_start_ticks, obs.rank_pids))
+        uid = sessions.job_uid(job.uid)
+        return observe.Facts(obs, orphans=sessions.alive(pid, obs.job_start_ticks, uid, obs.rank_pids))
     return observe.Facts(obs)
 
 

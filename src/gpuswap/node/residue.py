@@ -4,11 +4,11 @@ A park by the job's runtime copies its attached tensors to host RAM and empties 
 allocator; its CUDA context (~0.3-0.7 GB, more once cuBLAS/cuDNN/NCCL are up), library workspaces,
 CUDA-graph and torch.compile pools and tensors it did not attach stay on the device (issue 12,
 bug 5). When the daemon sees such a park complete, it reads NVML's per-process usage
-(`nvmlDeviceGetComputeRunningProcesses`; on simulated GPUs the simulated device's list, where a
-runtime job registers its context floor: runtime/simdevice.py) for the job's process tree on its
-home GPUs, and keeps the figure per GPU on the job (`JobRecord.residue`). The policy treats it as
-memory still taken on those GPUs (policy/residue.py); `ls`, `show`, `gpus`, `top` and the
-dashboard show it.
+(`nvmlDeviceGetComputeRunningProcesses`; on simulated GPUs the simulated device's list, where every
+simulated CUDA process holds its context, the floor: gpuswap.simcuda, runtime/simdevice.py) for
+the job's process tree on its home GPUs, and keeps the figure per GPU on the job
+(`JobRecord.residue`). The policy treats it as memory still taken on those GPUs
+(policy/residue.py); `ls`, `show`, `gpus`, `top` and the dashboard show it.
 
 The figure also stands, after the job resumes, for what its next RAM park will leave. Before a
 job's first RAM park the policy assumes 0, because nothing truthful is known: NVML's figure for

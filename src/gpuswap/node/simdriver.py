@@ -13,8 +13,11 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   return CUDA_ERROR_NOT_READY, leaving it RUNNING (NOT_READY is lock's only extra documented
   return; "left in the RUNNING state"). `timeout_ms` 0 waits as long as the work runs
   (CUcheckpointLockArgs: "0 indicates no timeout").
-- checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device and it vanishes from
-  the NVML process list (cuda-checkpoint README).
+- lock keeps every byte on the device, its context included: a locked process is still listed.
+- checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device, its CUDA context's
+  included ("all underlying references will be released", cuCheckpointProcessCheckpoint;
+  nvidia-smi shows 1 MiB used and no process: NVIDIA/cuda-checkpoint#31), and it vanishes from
+  the NVML process list (cuda-checkpoint README). A restore needs room for all of it again.
 - restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. A map
   is refused with CUDA_ERROR_INVALID_VALUE, the process left CHECKPOINTED (NVIDIA's own tests
   restore it without a map after that error), when:
@@ -34,7 +37,16 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
     capability below says no migration; docs/transparent.md).
   Too little free memory on the target: CUDA_ERROR_OUT_OF_MEMORY, the process stays
   CHECKPOINTED and is stuck for good: every later restore fails with CUDA_ERROR_OPERATING_SYSTEM
-  and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44).
+  and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44). "Room" is counted as simcuda
+  counts it for an allocation: every other resident process's context and allocations (a
+  checkpointed one holds nothing) plus all this process brings back, its context included, against
+  the GPU's total; the check and the new state are one step under the device's lock
+  (SimDevice.exclusive), so a process allocating meanwhile cannot take the same bytes.
+- The simulated GPUs' sizes are written for the jobs (simcuda's gpus.json) when the driver starts:
+  a simulated CUDA process's allocation is refused past its GPU's total, as a real one is.
+- The device's lock is the only thing here a job's process can hold up; the driver waits for it at
+  most LOCK_WAIT_S and then fails the call with SIMULATED_DEVICE_BUSY (the daemon never hangs on
+  a job that stops while holding it; a well-behaved process holds it for one file write).
 - unlock: LOCKED -> RUNNING. A call in the wrong state: CUDA_ERROR_ILLEGAL_STATE (documented).
 - A call on a SIGSTOPped process is refused (SIMULATED_STOPPED_PROCESS): the real calls talk to
   the process's own restore thread (CRIU's cuda plugin resumes that thread around each call), so
@@ -43,8 +55,9 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, NO_MIGRATION, RUNNING, Capability, CheckpointDriver, \
     CheckpointError, criu_verdict
@@ -52,6 +65,7 @@ from gpuswap.node.gpus import SimulatedGpus
 from gpuswap.simcuda import Registration, SimDevice, stopped
 
 POLL_S = 0.02      # how often a waiting lock looks again at the process's work
+LOCK_WAIT_S = 30.0  # the longest the driver waits for the simulated device's lock
 
 
 def visible_gpus(pid: int, gpus: SimulatedGpus) -> Optional[set[int]]:
@@ -83,6 +97,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
     def __init__(self, gpus: SimulatedGpus, device: SimDevice):
         self.gpus, self.device = gpus, device
         device.prepare()
+        device.describe([gpus.mem_total] * gpus.count)     # how big each GPU is, for the jobs' allocations
         # No migration, as a real node's capability says (cuda_ckpt.NO_MIGRATION): restore below
         # refuses a GPU map for a job that sees only its own GPUs, which is every job.
         self.capability = Capability(True, f"SIMULATED checkpoint driver (no GPU; no memory is moved); {NO_MIGRATION}",
@@ -96,6 +111,16 @@ class SimulatedCheckpointDriver(CheckpointDriver):
             raise CheckpointError(call, "SIMULATED_STOPPED_PROCESS (the real call would most likely block)")
         return reg, self.device.driver_record(reg)
 
+    @contextlib.contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        """The simulated device's lock (simcuda.SimDevice.exclusive), bounded by LOCK_WAIT_S."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.device.exclusive(LOCK_WAIT_S))
+            except (TimeoutError, OSError) as e:      # not what the block itself raises
+                raise CheckpointError(call, f"SIMULATED_DEVICE_BUSY ({e})") from None
+            yield
+
     def _expect(self, call: str, pid: int, state: str) -> tuple[Registration, dict]:
         reg, rec = self._proc(call, pid)
         if rec["state"] != state:
@@ -107,17 +132,23 @@ class SimulatedCheckpointDriver(CheckpointDriver):
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         """Waits while the process's work runs (`busy` in its registration, read again each time):
-        up to `timeout_ms`, or as long as it takes with 0 ("0 indicates no timeout")."""
+        up to `timeout_ms`, or as long as it takes with 0 ("0 indicates no timeout"). The state
+        changes under the device's lock, so no allocation of the process is half-way through."""
         call = "cuCheckpointProcessLock"
         reg, rec = self._expect(call, pid, RUNNING)
         deadline = None if timeout_ms == 0 else time.monotonic() + timeout_ms / 1000
-        while reg.busy:
+        while True:
+            if not reg.busy:
+                with self._exclusive(call):
+                    reg, rec = self._expect(call, pid, RUNNING)
+                    if not reg.busy:
+                        self.device.set_driver_record(reg, LOCKED, rec["gpu"])
+                        return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise CheckpointError(call, "CUDA_ERROR_NOT_READY")
             time.sleep(POLL_S if left is None else min(POLL_S, left))
             reg, rec = self._expect(call, pid, RUNNING)
-        self.device.set_driver_record(reg, LOCKED, rec["gpu"])
 
     def checkpoint(self, pid: int) -> None:
         reg, rec = self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
@@ -131,11 +162,11 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         target = rec["gpu"]
         if gpu_map:
             target = self._mapped(call, pid, rec["gpu"], gpu_map)
-        used = sum(b for p, g, b in self.device.resident() if g == target and p != pid)
-        if reg.nbytes > self.gpus.mem_total - used:
-            self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"], poisoned=True)
-            raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
-        self.device.set_driver_record(reg, LOCKED, target)
+        with self._exclusive(call):          # the room it finds is the room it takes
+            if reg.used > self.gpus.mem_total - self.device.used_on(target, but=pid):   # its context comes back too
+                self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"], poisoned=True)
+                raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
+            self.device.set_driver_record(reg, LOCKED, target)
 
     def _mapped(self, call: str, pid: int, home: int, gpu_map: dict[str, str]) -> int:
         """The GPU `gpu_map` sends the process to, or CUDA_ERROR_INVALID_VALUE (the process stays

@@ -21,6 +21,7 @@ status.json with supervisor.log (statusfile.py).
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import signal
@@ -30,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from gpuswap import processes
 from gpuswap.exitcodes import EX_USAGE
-from gpuswap.fsutil import read_json
 from gpuswap.node import sessions
 from gpuswap.node.jobchannel import JobChannel
 from gpuswap.node.jobprocess import JobProcess
@@ -43,6 +44,64 @@ from gpuswap.runtime.ranktable import RankTable
 
 CANCEL_GRACE_S = 10.0
 POLL_S = 0.05
+# How long the exit waits, once every process of the job is gone, for control connections still
+# held open by a process that left its session (setsid): what they send until then still counts.
+DRAIN_S = 5.0
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make every process the job starts, once orphaned, a child of this supervisor instead of
+    init's: torchrun's workers lead sessions of their own, so when the launcher dies first (killed
+    after the cancel grace while a worker takes its time over SIGTERM, the OOM killer) they leave
+    the job's session and its process tree both, and a worker that never said hello to the
+    coordinator was known to nobody; they ran on, on GPUs given to the next job."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def main_exited(main: int) -> bool:
+    """Whether the job's main process has exited (left unreaped: see `Supervisor.run`). Adopted
+    orphans that exited are reaped on the way, so that none stays a zombie of ours."""
+    while True:
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return False
+        if info.si_pid == main:
+            return True
+        try:
+            os.waitpid(info.si_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def kill_adopted(main: int, uid: Optional[int] = None) -> int:
+    """SIGKILL every child of ours other than the job's main process: what the job started and left
+    behind (`become_subreaper`); zombies among them are reaped. A child's pid cannot be reused
+    before we reap it, so the pid names it. With `uid` (the job's), one that uid could not signal
+    itself is left alone, as in `processes.kill_each`. Returns how many were alive (0: none left)."""
+    me, left = os.getpid(), 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == main:
+            continue
+        pid = int(name)
+        if processes.parent(pid) != me:
+            continue
+        st = processes.stat(pid)
+        if st is not None and st[0] not in ("Z", "X") and (uid is None or processes.owned_by(pid, uid)):
+            left += 1
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return left
 
 
 class Supervisor:
@@ -56,7 +115,8 @@ class Supervisor:
         self.job = JobProcess(self.spec, self.files)
         self.channel = JobChannel(self.spec, self.files, self.reconcile, lambda: self.desired, self._kill_ranks)
         self.term_sent_at: Optional[float] = None
-        self._desired_mtime: Optional[int] = None
+        self._desired_version: Optional[tuple[int, int, int]] = None    # the desired.json last read
+        self._desired_refused: Optional[tuple[int, int, int]] = None    # ... and the last one ignored
         self.desired = Desired()
         self._ended_checkpointed = False
         self.kill_reason: Optional[str] = None
@@ -112,24 +172,37 @@ class Supervisor:
 
     # -- reconcile desired vs actual --------------------------------------------------------
     def read_desired(self) -> None:
-        path = self.run_dir / rundir.DESIRED
+        """The daemon's wish, when desired.json changed. Anything that is not the daemon's record
+        (a directory, a FIFO, garbage, a huge file, a field of the wrong type, the file gone) is no
+        new wish: the job is left as it is, with one line in supervisor.log per such version of
+        the file, which is read again at every poll until it is usable. Never raises: this
+        process holds a user's job."""
         try:
-            mtime = path.stat().st_mtime_ns
-        except FileNotFoundError:
+            st = os.lstat(self.run_dir / rundir.DESIRED)
+            # Each write is a new file (atomic rename): its inode tells two writes apart within the
+            # filesystem's timestamp granularity, which the mtime alone does not.
+            version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            version = (0, 0, -1)          # absent: load_desired says so, once
+        if version == self._desired_version:
             return
-        if mtime != self._desired_mtime:
-            self._desired_mtime = mtime
-            raw = read_json(path)
-            if raw:
-                self.desired = Desired.from_json(raw)
+        try:
+            desired = rundir.load_desired(self.run_dir)
+        except (OSError, ValueError) as e:
+            if version != self._desired_refused:
+                self._desired_refused = version
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                self.log(f"ignored desired.json ({why[:200]}): no new wish, the job is left as it is")
+            return
+        self._desired_version, self.desired = version, desired
 
     def reconcile(self) -> None:
         """Level-triggered: compare desired with actual and make the one move that is missing."""
         d = self.desired
         changed = False
         with self.lock:
-            if self.job.child is None or self.status.exit is not None:
-                return
+            if self.job.child is None or self.job.reaped or self.status.exit is not None:
+                return      # reaped: nothing of the job is left to move (its pid may be reused)
             if d.cancel:
                 if self.term_sent_at is None:
                     self.term_sent_at = time.monotonic()
@@ -192,6 +265,9 @@ class Supervisor:
         # disposition would be inherited by the job through exec.
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+        if not become_subreaper():
+            self.log("cannot become the subreaper of the job's processes: an orphaned process outside "
+                     "the job's session may outlive it")
         self.read_desired()
         self.channel.serve()
         if not self.job.start():
@@ -200,18 +276,28 @@ class Supervisor:
         pid = self.job.child.pid
         # Wait without reaping: while the exited main process is a zombie its pid (the session id)
         # cannot be reused, so the leftovers of its session are killed by an id that is still theirs.
-        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        while not main_exited(pid):
             time.sleep(POLL_S)
             self.read_desired()
             self.reconcile()
             if self.files.due():
                 self.files.write()
         ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
-        # Until none is left, in its session or among its ranks (torchrun's workers lead sessions of
-        # their own): its GPUs are free only then.
-        while sessions.kill(pid, self.status.job_start_ticks) + self._kill_rank_processes():
+        # Until none is left, in its session, among its ranks or among the orphans it left us
+        # (torchrun's workers lead sessions of their own): its GPUs are free only then.
+        uid = sessions.job_uid(self.spec.uid)
+        while (sessions.kill(pid, self.status.job_start_ticks, uid) + self._kill_rank_processes()
+               + kill_adopted(pid, uid)):
             time.sleep(POLL_S)
-        rc = self.job.child.wait()
+        with self.lock:       # a reader thread's reconcile sees it reaped, or signals before
+            rc = self.job.child.wait()
+        # Everything the job said before it ended counts, before its end does: a runtime's
+        # `checkpointed` followed at once by its exit (code 75) is a requeue, whichever of the two
+        # this process noticed first. Its processes are all gone, so its connections end now.
+        left = self.channel.drain(DRAIN_S)
+        if left:
+            self.log(f"{left} control connection(s) still open {DRAIN_S:g} s after the job ended (held by "
+                     "a process outside its session): its exit is recorded without what they may send")
         sig = -rc if rc < 0 else None
         error = None
         if ended is not None:

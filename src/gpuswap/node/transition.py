@@ -35,9 +35,11 @@ class Sample:
 
 @dataclass(frozen=True)
 class KillProcesses:
-    """SIGKILL what is left of a job whose supervisor died: its session, and ranks that lead their own."""
+    """SIGKILL what is left of a job whose supervisor died: its session, and ranks that lead their
+    own; only processes its user (`uid`, as submitted: sessions.job_uid) could signal."""
     session: int
     start_ticks: Optional[int]
+    uid: int
     ranks: tuple[tuple[int, Optional[int]], ...] = ()
 
 
@@ -97,7 +99,8 @@ class Applier:
 def perform(e: Effect, ckpt_dir: Callable[[int], Path]) -> None:
     """A transition's node-local effect, on the machine the job runs on."""
     if isinstance(e, KillProcesses):
-        sessions.kill(e.session, e.start_ticks)
-        processes.kill_pids(list(e.ranks))
+        uid = sessions.job_uid(e.uid)
+        sessions.kill(e.session, e.start_ticks, uid)
+        processes.kill_pids(list(e.ranks), uid)
     elif isinstance(e, RemoveCheckpoints):
         shutil.rmtree(ckpt_dir(e.job_id), ignore_errors=True)

@@ -18,9 +18,10 @@ SIM_CUDA_DIR = "GPUSWAP_SIM_CUDA_DIR"  # simulated GPUs only: the simulated driv
 
 # -- read by the runtime in the job: the user's settings -----------------------------------------------
 RESTART_ON_BAD_CHECKPOINT = "GPUSWAP_RESTART_ON_BAD_CHECKPOINT"  # "1": no usable checkpoint -> step 0
+ADOPT_CHECKPOINTS = "GPUSWAP_ADOPT_CHECKPOINTS"  # a job id: resume from that job's checkpoints (checkpoint.py)
 PINNED_KEEP_S = "GPUSWAP_PINNED_KEEP_S"          # seconds an idle pinned host buffer is kept
 USAGE_INTERVAL_S = "GPUSWAP_USAGE_INTERVAL_S"    # seconds between usage reports (tests shorten it)
-SIM_CONTEXT_BYTES = "GPUSWAP_SIM_CONTEXT_BYTES"  # a simulated CUDA context's size (runtime/simdevice.py)
+SIM_CONTEXT_BYTES = "GPUSWAP_SIM_CONTEXT_BYTES"  # a simulated CUDA context's size (simcuda.py)
 SLURM = "GPUSWAP_SLURM"                          # "0" keeps the runtime off under Slurm
 SLURM_SIGNALS = "GPUSWAP_SLURM_SIGNALS"          # e.g. "USR2,TERM" (default), "USR1", "none"
 SLURM_REQUEUE = "GPUSWAP_SLURM_REQUEUE"          # "scontrol" (default) | "exit"

@@ -70,6 +70,7 @@ class Usage:
     step: Step = None
     parked: AsideFlag = None
     reserved_bytes: AsideBytes = None       # the CUDA caching allocator's, on a real GPU
+    written: AsideBytes = None              # a rank's bytes written to checkpoint files so far: progress
     _keep_none = ("step",)
 
 

@@ -17,11 +17,12 @@ supervisor of neighbouring versions (a supervisor outlives an upgrade) still und
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from gpuswap.fsutil import atomic_write_json, read_json
+from gpuswap.fsutil import atomic_write_json, read_json, read_small
 
 SPEC = "spec.json"
 DESIRED = "desired.json"
@@ -32,6 +33,8 @@ CONTROL = "control"
 SUPERVISOR_LOG = "supervisor.log"
 SUPERVISOR_ERR = "supervisor.err"
 TRANSPARENT = "transparent.json"
+
+MAX_DESIRED = 64 << 10     # desired.json is ~100 bytes: a larger one is not the daemon's
 
 RunWanted = Literal["running", "paused"]
 
@@ -59,14 +62,20 @@ class Desired:
 
     @classmethod
     def from_json(cls, raw: Any) -> "Desired":
-        """The daemon's file, whatever version wrote it: an unknown value is the default's."""
-        if not isinstance(raw, dict):
-            return cls()
-        run = raw.get("run")
-        tier = raw.get("tier")
-        return cls(run=run if run in ("running", "paused") else "running",
-                   tier=tier if isinstance(tier, str) else None, sigstop=bool(raw.get("sigstop")),
-                   cancel=bool(raw.get("cancel")), max_bytes=_int_or_none(raw.get("max_bytes")))
+        """The daemon's file, whatever version wrote it: a missing key or an unknown value (a run
+        state or tier a newer daemon added) is the default's. ValueError (why) for what no version
+        writes: not a non-empty object, or a value of the wrong type. Such a file is no wish at
+        all rather than its defaults, which would resume, continue or stop the job by accident."""
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError("not a JSON object with fields")
+        for key, ok in (("run", lambda v: isinstance(v, str)), ("tier", lambda v: v is None or isinstance(v, str)),
+                        ("sigstop", lambda v: isinstance(v, bool)), ("cancel", lambda v: isinstance(v, bool)),
+                        ("max_bytes", lambda v: v is None or _int_or_none(v) is not None)):
+            if key in raw and not ok(raw[key]):
+                raise ValueError(f"{key!r} is a {type(raw[key]).__name__}")
+        run, tier = raw.get("run"), raw.get("tier")
+        return cls(run=run if run in ("running", "paused") else "running", tier=tier,
+                   sigstop=raw.get("sigstop", False), cancel=raw.get("cancel", False), max_bytes=raw.get("max_bytes"))
 
 
 @dataclass(frozen=True)
@@ -117,9 +126,27 @@ def write(run: Path, name: str, record: Any) -> None:
     atomic_write_json(run / name, record.to_json())
 
 
+def load_desired(run: Path) -> Desired:
+    """desired.json, read as something the daemon alone writes but that must never be trusted to
+    be sane: OSError (absent, gone, not a regular file, a link, over MAX_DESIRED bytes) or
+    ValueError (not JSON, not `Desired`'s record) says why it is not one."""
+    data = read_small(run / DESIRED, MAX_DESIRED)
+    try:
+        raw = json.loads(data)
+    except RecursionError:                  # nested too deep to be the daemon's
+        raise ValueError("not JSON") from None
+    except ValueError as e:                 # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"not JSON: {str(e)[:80]}") from None
+    return Desired.from_json(raw)
+
+
 def read_desired(run: Path) -> Optional[Desired]:
-    raw = read_json(run / DESIRED)
-    return None if raw is None else Desired.from_json(raw)
+    """desired.json as the daemon reads it back: None if absent or not a usable record (the
+    daemon then writes its wish again)."""
+    try:
+        return load_desired(run)
+    except (OSError, ValueError):
+        return None
 
 
 def read_spec(run: Path) -> Spec:

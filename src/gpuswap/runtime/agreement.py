@@ -58,6 +58,7 @@ class Coordinator:
         self.error_at: Optional[float] = None
         self.refusal: Optional[str] = None       # why the job cannot be paused now
         self.result: dict[str, Any] = {}          # bytes, step, pause_s, resume_s, ckpt_path, tier
+        self.written: dict[int, int] = {}         # rank -> bytes it has written to checkpoint files
 
     # -- inputs ------------------------------------------------------------------------------
     def hello(self, rank: int, world_size: int, now: float, pid: Optional[int] = None,
@@ -88,6 +89,10 @@ class Coordinator:
             return []
         if isinstance(msg, m.Usage):
             r.device_bytes, r.step = msg.device_bytes, msg.step if msg.step is not None else r.step
+            if msg.written is not None and msg.written > self.written.get(rank, 0):
+                self.written[rank] = msg.written
+                if self.attempt is not None and self.phase in (PARKING, COMMITTING):
+                    self.attempt.progress[rank] = now     # its part (or the manifest) is being written
             return []
         if isinstance(msg, m.Done):
             r.state = "done"
@@ -118,11 +123,19 @@ class Coordinator:
         return self._reconcile(now)
 
     def poll(self, now: float) -> list[Effect]:
-        """Deadlines: a phase that outlives the pause timeout ends with its reason."""
+        """Deadlines: a move (agreeing, parking, committing, unparking, regrouping) that outlives
+        the pause timeout ends with its reason. Parked is not a move: a job stays parked in RAM
+        for as long as the daemon wants (hours), and a parked rank has nothing left to answer."""
         a = self.attempt
-        if a is None or self.phase == CHECKPOINTED or now - a.since <= self.timeout_s:
-            return []       # checkpointed: the job is done with; its exit is the launcher's
+        if a is None or self.phase in (PARKED, CHECKPOINTED, FAILED) or now - a.since <= self.timeout_s:
+            return []       # checkpointed: the job is done with, its exit is the launcher's; failed: killed once
         late = sorted(set(self.ranks) - (a.ready if self.phase == AGREEING else set(a.answered)))
+        # A checkpoint being written is a move that takes as long as the disk needs (a large job,
+        # a slow filesystem): the timeout runs from the last progress a late rank reported (its
+        # bytes written, in usage), so a stuck rank is still caught and a writing one never killed.
+        if late and self.phase in (PARKING, COMMITTING) and all(
+                now - max(a.since, a.progress.get(r, a.since)) <= self.timeout_s for r in late):
+            return []
         who = ", ".join(f"rank {r} (at tick {self.ranks[r].tick})" for r in late) or "no rank"
         if self.phase == AGREEING:
             where = f"step {a.target}" if a.target is not None else "a safepoint"
@@ -255,6 +268,8 @@ class Coordinator:
     def _on_paused(self, rank: int, msg: m.Paused, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
+        if a.tier != "ram":
+            return []       # not an answer to a disk park: the rank's word, never trusted
         r = self.ranks[rank]
         r.state = "parked"
         if msg.step is not None:
@@ -279,6 +294,8 @@ class Coordinator:
     def _on_part(self, rank: int, msg: m.Part, now: float) -> list[Effect]:
         a = self.attempt
         assert a is not None
+        if a.tier != "disk":
+            return []       # not an answer to a RAM park (it was read as one)
         self.ranks[rank].state = "written"
         a.answered[rank] = msg
         if len(a.answered) < self.world_size:   # type: ignore[operator]
@@ -371,8 +388,10 @@ class Coordinator:
     def _lose(self, rank: int, now: float, why: str) -> list[Effect]:
         if self.phase == AGREEING:
             return self._withdraw(now, why)
-        if self.phase == RUNNING:
-            return []
+        if self.phase in (RUNNING, FAILED, CHECKPOINTED):
+            return []       # failed: the job is being ended already, with its first reason;
+                            # checkpointed: it is done with, its exit is the launcher's (a worker
+                            # the launcher restarts and that attaches again must not undo that)
         if self.phase == COMMITTING and rank != 0:
             return []       # its part is durable; rank 0 still commits the whole checkpoint
         if self.phase == REGROUPING and self.attempt is not None and rank in self.attempt.answered:

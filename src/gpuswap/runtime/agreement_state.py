@@ -61,5 +61,6 @@ class Attempt:
     tier: Optional[str] = None
     ready: set[int] = field(default_factory=set)
     answered: dict[int, Report] = field(default_factory=dict)   # this phase's reports
+    progress: dict[int, float] = field(default_factory=dict)   # rank -> when its checkpoint write last moved
     parked_in_ram: bool = False        # memory released and groups destroyed on every rank
     why_disk: Optional[str] = None

@@ -60,6 +60,10 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
             from gpuswap.runtime import slurm
 
             slurm.coordinate(config, who)   # rank 0 of `srun --ntasks N` serves the coordinator
+    if config.slurm:
+        from gpuswap.runtime import slurm
+
+        slurm.catch_early(who)      # a signal during the restore below waits for the job
     job = _handle(items, config, who)
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given

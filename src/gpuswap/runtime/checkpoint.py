@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
 from gpuswap import fsutil
-from gpuswap.protocol.env import RESTART_ON_BAD_CHECKPOINT
+from gpuswap.protocol.env import ADOPT_CHECKPOINTS, CKPT_DIR, RESTART_ON_BAD_CHECKPOINT
 
 FORMAT = "gpuswap-ckpt/1"
 FORMAT_PARTS = "gpuswap-ckpt/2"   # multi-rank: one part per rank (runtime/ckparts.py)
@@ -54,6 +54,35 @@ class CheckpointError(Exception):
 
 class NoUsableCheckpoint(CheckpointError):
     """Checkpoints exist but none is usable, and the job did not ask to start over."""
+
+
+class ForeignCheckpoint(NoUsableCheckpoint):
+    """The checkpoint a job would resume from was written by another job (`check_owner`)."""
+
+
+def check_owner(written_by: Any, job_id: str | None, seq: int, step: Any, directory: str | os.PathLike,
+                env: Mapping[str, str] = os.environ) -> None:
+    """Refuse to resume job `job_id` from a checkpoint another job wrote, unless the job's
+    environment names that job in GPUSWAP_ADOPT_CHECKPOINTS.
+
+    A job's own checkpoints carry its id across requeues (the daemon's job id; under Slurm
+    $SLURM_JOB_ID, which a requeue keeps), so a different id means the directory is shared: two
+    jobs given one $GPUSWAP_CKPT_DIR (a job array with a fixed directory, a copied script). The
+    second one used to restore the first one's weights silently and train on from its step, and
+    each pruned the other's files. Starting from step 0 instead would still mix the two in one
+    directory, so nothing is restored and nothing written: the job ends with one line that says
+    whose checkpoint it is and what to do. A checkpoint or a job without an id (a runtime outside
+    gpuswap and Slurm, or a checkpoint of a release before ids) is not judged."""
+    if written_by in (None, "") or not job_id or str(written_by) == str(job_id):
+        return
+    if env.get(ADOPT_CHECKPOINTS, "").strip() == str(written_by):
+        _warn(f"resuming from checkpoint seq {seq} (step {step}) of job {str(written_by)[:80]}, as "
+              f"{ADOPT_CHECKPOINTS} asks")
+        return
+    raise ForeignCheckpoint(
+        f"checkpoint seq {seq} (step {step}) in {directory} was written by job {str(written_by)[:80]}, "
+        f"not by this job ({job_id}): not resuming another job's state; give each job its own "
+        f"{CKPT_DIR}, or set {ADOPT_CHECKPOINTS}={str(written_by)[:80]} to continue that job's training")
 
 
 @dataclass(frozen=True)
@@ -74,6 +103,17 @@ class CheckpointInfo:
         return asdict(self)
 
 
+# Bytes this process has written to checkpoint files, ever (monotonic): a multi-rank job's usage
+# reports carry it, so that its coordinator tells a part still being written (a slow disk, a large
+# job) from a rank that is stuck (runtime/agreement.py `poll`). Read from another thread: an int.
+_written = 0
+_PIECE = 64 << 20     # a large storage is written (and counted) in pieces: progress shows during it
+
+
+def bytes_written() -> int:
+    return _written
+
+
 class _HashingWriter:
     """File-like sink for torch.save that hashes and counts bytes as they stream to disk."""
 
@@ -83,10 +123,17 @@ class _HashingWriter:
         self.size = 0
 
     def write(self, data: Any) -> int:
+        global _written
         view = memoryview(data)
-        self.sha.update(view)
-        self.size += view.nbytes
-        return self._f.write(view)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        for i in range(0, view.nbytes, _PIECE):
+            piece = view[i:i + _PIECE]
+            self.sha.update(piece)
+            self._f.write(piece)
+            self.size += piece.nbytes
+            _written += piece.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         self._f.flush()
@@ -229,13 +276,26 @@ def _sizes_match(d: Path, sizes: dict[str, Any]) -> bool:
     return True
 
 
+# Per directory (resolved), the seqs whose files this process found damaged: `_prune` never counts
+# them among the kept. A damaged payload of the right size passes `_sizes_match`, and after a
+# restore fell back past it, the next save kept it and deleted the good checkpoint the job had
+# just restored from, leaving one good checkpoint where two are promised.
+_rejected: dict[str, set[int]] = {}
+
+
+def distrust(directory: str | os.PathLike, seq: int) -> None:
+    """Remember that checkpoint `seq` in `directory` failed its size or sha256 check here."""
+    _rejected.setdefault(os.path.realpath(directory), set()).add(seq)
+
+
 def _prune(d: Path, keep: int) -> None:
     """Keep the newest `keep` committed checkpoints of either format whose files have the sizes
     their manifests say, and what those manifests name; delete the other manifests, then every
     other data file up to the newest seq (older payloads and parts, damaged ones, and orphan parts
     a crash left before their manifest). Data files of a newer seq are a write in progress and are
     left alone. A damaged checkpoint does not count among the kept: after a restore fell back past
-    a truncated one, the next save kept it and deleted the good one restored from."""
+    a truncated one, the next save kept it and deleted the good one restored from; nor does one
+    whose payload this process's restore found damaged (`distrust`), whatever its sizes."""
     committed = []
     for e in d.iterdir():
         if _MANIFEST.match(e.name):
@@ -247,7 +307,8 @@ def _prune(d: Path, keep: int) -> None:
                 committed.append(named)
     committed.sort(key=lambda x: x[0], reverse=True)
     newest = committed[0][0] if committed else 0
-    kept = [(seq, files) for seq, files, sizes in committed if _sizes_match(d, sizes)][:keep]
+    bad = _rejected.get(os.path.realpath(d), set())
+    kept = [(seq, files) for seq, files, sizes in committed if seq not in bad and _sizes_match(d, sizes)][:keep]
     live = {f"ckpt-{seq:06d}.json" for seq, _ in kept}
     live |= {f for _, files in kept for f in files}
     # Manifests first: a crash mid-prune must never leave a manifest pointing at a deleted payload.
@@ -258,8 +319,17 @@ def _prune(d: Path, keep: int) -> None:
 
 
 def verify(directory: str | os.PathLike, info: CheckpointInfo) -> Path:
-    """Check the payload's size and sha256 against the manifest; return its path."""
-    path = Path(directory) / info.payload
+    """Check the payload's size and sha256 against the manifest; return its path. A payload that
+    fails is damaged for good: the next save does not keep its checkpoint (`distrust`); one of
+    another world size or format is not damaged, and is judged by age alone."""
+    try:
+        return _verify(Path(directory) / info.payload, info)
+    except CheckpointError:
+        distrust(directory, info.seq)
+        raise
+
+
+def _verify(path: Path, info: CheckpointInfo) -> Path:
     try:   # O_NONBLOCK: a FIFO under the payload's name is refused below, never waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
@@ -316,7 +386,7 @@ def load_latest(directory: str | os.PathLike) -> tuple[CheckpointInfo, dict[str,
     return (info, payload) if info is not None and payload is not None else None
 
 
-def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ,
+def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ, job_id: str | None = None,
            ) -> tuple[CheckpointInfo | None, dict[str, Any] | None, str | None]:
     """What a (re)starting job restores: (info, payload, note).
 
@@ -324,10 +394,12 @@ def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ,
     at all: (None, None, None), a fresh start. Checkpoints that exist but none usable: raises
     NoUsableCheckpoint, since starting over would silently throw the training away, unless the
     job's environment has GPUSWAP_RESTART_ON_BAD_CHECKPOINT=1; then (None, None, note) and the
-    note says it restarts from step 0 and why.
+    note says it restarts from step 0 and why. The newest good checkpoint written by another job
+    than `job_id`: raises ForeignCheckpoint (`check_owner`).
     """
     info, payload, rejected = find_latest(directory)
     if info is not None:
+        check_owner(info.job_id, job_id, info.seq, info.step, directory, env)
         note = (f"newer checkpoint(s) unusable, used seq {info.seq} (step {info.step}) instead: "
                 + "; ".join(rejected)) if rejected else None
         return info, payload, note

@@ -232,13 +232,14 @@ def _try(d: Path, raw: Any, name: str, rank: int, world_size: int) -> tuple[Mani
 
 
 def choose(directory: str | os.PathLike | None, rank: int, world_size: int,
-           env: Mapping[str, str] = os.environ) -> tuple[Chosen | None, str | None]:
+           env: Mapping[str, str] = os.environ, job_id: str | None = None) -> tuple[Chosen | None, str | None]:
     """What rank `rank` of a `world_size`-rank job restores, and a note: the newest committed
     checkpoint of this world size whose every part verifies (size, sha256) and whose needed parts
     load. Newer unusable ones are skipped, and the note says which and why, as in the single-rank
     `checkpoint.choose`. No checkpoint at all: (None, None). Checkpoints but none usable:
     NoUsableCheckpoint, unless the job's environment has GPUSWAP_RESTART_ON_BAD_CHECKPOINT=1
-    (then (None, note): it starts from step 0 and says why)."""
+    (then (None, note): it starts from step 0 and says why). The newest usable one written by
+    another job than `job_id`: ForeignCheckpoint (`checkpoint.check_owner`), on every rank alike."""
     t0 = time.perf_counter()
     d = Path(directory) if directory else None
     if d is None or not d.is_dir():
@@ -259,6 +260,7 @@ def choose(directory: str | os.PathLike | None, rank: int, world_size: int,
             checkpoint._warn(f"checkpoint seq {seq} is unusable: {exc}")
             rejected.append(f"seq {seq}" + (f" (step {step})" if step is not None else "") + f": {exc}")
             continue
+        checkpoint.check_owner(info.job_id, job_id, info.seq, info.step, d, env)
         note = (f"newer checkpoint(s) unusable, used seq {info.seq} (step {info.step}) instead: "
                 + "; ".join(rejected)) if rejected else None
         return Chosen(info, own, shared, note, round(time.perf_counter() - t0, 6), rejected), note

@@ -188,6 +188,12 @@ class Job:
         with self._cond:
             self._phase = "running"
 
+    def claim_device(self, nbytes: int) -> None:
+        """Simulated GPUs, before a RAM park's bytes are copied back: the process holds them on its
+        GPU again (with what the park kept), as parking.restore's refill would allocate them; a
+        full GPU raises what torch's refill would (runtime/simdevice.py) and nothing is claimed."""
+        simdevice.hold(nbytes + self._outside_bytes(), self.config.simulated)
+
     def mark_parked(self) -> None:
         # parked: a simulated GPU keeps the context floor and what the park cannot free
         simdevice.hold(self._outside_bytes(), self.config.simulated)

@@ -164,6 +164,12 @@ def restore(items: list[Attached], saved: dict[str, dict[str, Any]]) -> list[str
         elif a.kind == "tensor":
             import torch
 
+            # copy_ broadcasts and casts: a (4,) checkpoint would "restore" a (3, 4) tensor
+            if not isinstance(state, torch.Tensor) or state.shape != a.obj.shape or state.dtype != a.obj.dtype:
+                what = (f"a {state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, torch.Tensor)
+                        else f"a {type(state).__name__}")
+                raise ValueError(f"checkpoint holds {a.name!r} as {what}, now it is a {a.obj.dtype} tensor of "
+                                 f"shape {tuple(a.obj.shape)}")
             with torch.no_grad():
                 a.obj.copy_(state)
         elif a.kind == "generator":

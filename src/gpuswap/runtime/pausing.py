@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuswap.protocol import records
 from gpuswap.runtime import checkpoint, objects, parking, rng
@@ -129,9 +129,17 @@ def serve(job: "Job", tier: str) -> None:
 
 
 def _unpark_or_report(job: "Job", park: parking.RamPark) -> bool:
+    """Bring the park back; False (reported, still parked) if the device memory cannot be had: a
+    full GPU, simulated ones included (the claim is their refill: runtime/simdevice.py)."""
+    claimed = False
     try:
+        if job.config.simulated and park.released:
+            job.claim_device(park.nbytes)
+            claimed = True
         parking.restore(park, job.config.simulated)
     except Exception as exc:
+        if claimed:
+            job.mark_parked()        # the refill gave its memory back: the park's floor again
         _error(job, "resume from ram", exc)
         return False
     parking.drop_host(park)
@@ -148,10 +156,14 @@ def restore_latest(job: "Job") -> None:
     job.restore_note = _last_note
     if info is None or payload is None:
         return
-    warnings = objects.restore(job.items, payload["objects"])
+    try:
+        warnings = objects.restore(job.items, payload["objects"])
+        warnings += rng.restore(payload["rng"])
+    except Exception as exc:   # another model, another shape: neither a traceback nor a half-restored job
+        _cannot_resume(job.config, f"checkpoint seq {info.seq} (step {info.step}) does not fit the attached "
+                                   f"objects: {type(exc).__name__}: {' '.join(str(exc).split())}")
     job.state.clear()
     job.state.update(payload.get("user_state") or {})
-    warnings += rng.restore(payload["rng"])
     job.restored_step = int(payload["step"]) if payload.get("step") is not None else None
     job.start_step = job.restored_step + 1 if job.restored_step is not None else 0
     job.restored_bytes, job.restore_s = info.bytes, round(time.perf_counter() - t0, 6)
@@ -164,6 +176,18 @@ def restore_latest(job: "Job") -> None:
 _last_note: str | None = None
 
 
+def _cannot_resume(config: "RuntimeConfig", why: str) -> NoReturn:
+    """One line on stderr, `restore_failed` to the supervisor (if any), exit 1: a job that cannot
+    resume its checkpoint must neither start over silently nor train on from a half restore."""
+    text = f"cannot resume: {why}"
+    print(f"gpuswap: {text}", file=sys.stderr, flush=True)
+    if config.control:
+        from gpuswap.runtime.client import send_once
+
+        send_once(config.control, records.RestoreFailed(message=text[:2000]))
+    raise SystemExit(1) from None
+
+
 def choose_or_exit(config: "RuntimeConfig") -> tuple[Any, Any]:
     """`checkpoint.choose` for this job; the note (fallback or restart) is printed and kept for
     `hello`. If no checkpoint is usable and no restart was asked for, the supervisor is told why
@@ -171,15 +195,9 @@ def choose_or_exit(config: "RuntimeConfig") -> tuple[Any, Any]:
     a resume. Used by `attach` and by the Lightning/Hugging Face callbacks before it."""
     global _last_note
     try:
-        info, payload, note = checkpoint.choose(config.ckpt_dir)
+        info, payload, note = checkpoint.choose(config.ckpt_dir, job_id=config.job_id)
     except checkpoint.NoUsableCheckpoint as exc:
-        text = f"cannot resume: {exc}"
-        print(f"gpuswap: {text}", file=sys.stderr, flush=True)
-        if config.control:
-            from gpuswap.runtime.client import send_once
-
-            send_once(config.control, records.RestoreFailed(message=text[:2000]))
-        raise SystemExit(1) from None
+        _cannot_resume(config, str(exc))
     if note:
         print(f"gpuswap: {note}", file=sys.stderr, flush=True)
     _last_note = note

@@ -46,7 +46,8 @@ def saved_state(config: "RuntimeConfig", name: str) -> Optional[SavedState]:
             return None
         state = (payload["objects"].get(name) or {}).get("state")
         return SavedState(state, state, int(payload["step"]), 0, 1)
-    chosen, _ = rankstate.choose_or_exit(config.ckpt_dir, config.control, who.rank, who.world_size)
+    chosen, _ = rankstate.choose_or_exit(config.ckpt_dir, config.control, who.rank, who.world_size,
+                                         config.job_id)
     if chosen is None:
         return None
     own = ((chosen.own.get("own") or {}).get(name) or {}).get("state")

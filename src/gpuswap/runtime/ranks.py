@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
 from gpuswap.protocol import records
-from gpuswap.runtime import ckparts, objects, parking, rankstate, simdevice
+from gpuswap.runtime import checkpoint, ckparts, objects, parking, rankstate, simdevice
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.handle import Job
 from gpuswap.runtime.objects import Attached
@@ -127,6 +127,14 @@ class RankJob(Job):
             self._measure_req = True
             self._pending = True
 
+    def _usage_msg(self) -> records.Usage:
+        """The heartbeat, with the bytes this process has written to checkpoint files: while its
+        part is being written (the training thread is inside the write) they show the coordinator
+        that the disk park moves (agreement.py `poll`)."""
+        msg = super()._usage_msg()
+        written = checkpoint.bytes_written()
+        return replace(msg, written=written) if written else msg
+
     # -- training thread -------------------------------------------------------------------
     def _serve_tick(self, tick: int) -> None:
         with self._cond:
@@ -171,6 +179,8 @@ class RankJob(Job):
                 return True, self._do_park(t0)
             if action == UNPARK:
                 if self._park is not None:
+                    if self.config.simulated and self._park.released:
+                        self.claim_device(self._park.nbytes)      # a full simulated GPU fails here
                     parking.restore(self._park, self.config.simulated)   # host copies kept until regroup
                     self._regroup.build_reducers()    # DDP's bucket buffers: memory back, or fail here
                 self._phase = "running"
@@ -253,6 +263,12 @@ class RankJob(Job):
         self._last_bytes = 0
 
     def _send_all(self, msgs: list[records.Report]) -> None:
+        """Training thread only. Before `ready`: what this rank holds now, measured at the common
+        step, which the coordinator decides the park's tier by (the RAM budget). The last report
+        may be older than the first step, which makes the optimizer's state and the gradients."""
+        if any(isinstance(m, records.Ready) for m in msgs):
+            self.measure()
+            self.send(self._usage_msg())
         for m in msgs:
             self.send(m)
 
@@ -329,7 +345,7 @@ def restore_ranks(job: RankJob) -> None:
     if not cfg.ckpt_dir:
         return
     done = rankstate.restore_latest(cfg.ckpt_dir, cfg.control, job.items, job.state, job.rank,
-                                    job.world_size, related(job.items))
+                                    job.world_size, related(job.items), cfg.job_id)
     job.restore_note = done.note
     if done.step is None:
         return

@@ -284,7 +284,7 @@ class Restored:
 
 
 def _cannot_resume(control: str | None, rank: int, exc: BaseException) -> NoReturn:
-    text = f"cannot resume: rank {rank}: {exc}"
+    text = f"cannot resume: rank {rank}: {' '.join(str(exc).split())}"     # one line (load_state_dict's are many)
     print(f"gpuswap: {text}", file=sys.stderr, flush=True)
     if control:
         from gpuswap.runtime.client import send_once
@@ -296,13 +296,13 @@ def _cannot_resume(control: str | None, rank: int, exc: BaseException) -> NoRetu
 
 
 def choose_or_exit(ckpt_dir: str | None, control: str | None, rank: int,
-                   world_size: int) -> tuple[ckparts.Chosen | None, str | None]:
+                   world_size: int, job_id: str | None = None) -> tuple[ckparts.Chosen | None, str | None]:
     """`ckparts.choose` for this rank, its note printed. Checkpoints exist but none is usable and
     no restart was asked for: the supervisor is told why (`restore_failed`) and the process exits
     1, as the single-rank `pausing.choose_or_exit` does. Used at attach and by the Lightning and
     Hugging Face callbacks before it (runtime/prerestore.py)."""
     try:
-        chosen, note = ckparts.choose(ckpt_dir, rank, world_size)
+        chosen, note = ckparts.choose(ckpt_dir, rank, world_size, job_id=job_id)
     except (CheckpointError, ValueError, RuntimeError, KeyError) as exc:
         _cannot_resume(control, rank, exc)
     if note:
@@ -312,7 +312,7 @@ def choose_or_exit(ckpt_dir: str | None, control: str | None, rank: int,
 
 def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attached],
                    user_state: dict[str, Any], rank: int, world_size: int,
-                   related: Iterable[Any] = ()) -> Restored:
+                   related: Iterable[Any] = (), job_id: str | None = None) -> Restored:
     """At attach, on every rank of a multi-rank job: restore the newest usable checkpoint in
     place (its own part, and rank 0's shared state), and `user_state` (job.state) from its own
     part. No usable checkpoint, or one that does not fit the objects (another model, other
@@ -320,7 +320,7 @@ def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attach
     import time
 
     t0 = time.perf_counter()
-    chosen, note = choose_or_exit(ckpt_dir, control, rank, world_size)
+    chosen, note = choose_or_exit(ckpt_dir, control, rank, world_size, job_id)
     if chosen is None:
         return Restored(note=note)
     try:

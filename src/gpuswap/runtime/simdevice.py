@@ -7,43 +7,52 @@ attached tensors and the allocator's cache, never that floor: NVML keeps listing
 it. Without a GPU the daemon finds a job's device memory only in the simulated device's process
 list (gpuswap.simcuda), so the runtime registers its process there with
 
-    context floor + attached device bytes + DDP bucket buffers
-                                             (CPU tensors stand for device memory in simulation)
+    attached device bytes + DDP bucket buffers    (CPU tensors stand for device memory in simulation)
 
-updated whenever a measurement changes: at attach, at each measured safepoint, before a RAM park
-is reported (the floor, which a park cannot free, plus the bucket buffers of any DDP Reducer the
-park keeps) and before a resume is reported (all of it again). A disk park exits, and the
-registration dies with the process. DDP's Reducer holds one flat buffer per bucket, about one
-more copy of the gradients, in no tensor the job attached; a real process's NVML figure includes
-them, so the simulated one does too (runtime/ddpreducer.py: a multi-rank RAM park frees them
-unless a reason keeps the Reducer; a single-process park never does). Not modelled: the caching
-allocator's cache, activations, tensors not attached, a communication hook's own result buffers.
+and the simulated device adds the process's CUDA context, as any CUDA process holds one
+(simcuda.DEFAULT_CONTEXT_BYTES, with its sources; GPUSWAP_SIM_CONTEXT_BYTES for tests): that is
+the floor a park cannot free. The registration is updated whenever a measurement changes: at
+attach, at each measured safepoint, before a RAM park is reported (nothing attached, so the
+context alone, plus the bucket buffers of any DDP Reducer the park keeps) and before a resume is
+reported (all of it again). A disk park exits, and the registration dies with the process. DDP's
+Reducer holds one flat buffer per bucket, about one more copy of the gradients, in no tensor the
+job attached; a real process's NVML figure includes them, so the simulated one does too
+(runtime/ddpreducer.py: a multi-rank RAM park frees them unless a reason keeps the Reducer; a
+single-process park never does). Not modelled: the caching allocator's cache, activations,
+tensors not attached, a communication hook's own result buffers.
 
-The floor: PyTorch measured its own context at 287,047,680 bytes with lazy module loading and
-666,632,192 bytes without (pytorch/pytorch#86509, which made CUDA_MODULE_LOADING=LAZY torch's
-default; NVIDIA's CUDA Programming Guide, "Lazy Loading": it cuts the context's device memory);
-users see ~0.5-0.8 GB per process in nvidia-smi before allocating anything (pytorch/pytorch#34323:
-781 MB), more once cuBLAS/cuDNN/NCCL have initialized. The default, 512 MiB, is in that range;
-tests choose theirs with GPUSWAP_SIM_CONTEXT_BYTES (read only on simulated GPUs).
+The floor is the simulated context (simcuda.DEFAULT_CONTEXT_BYTES): 512 MiB by default, in the
+range PyTorch processes show (pytorch/pytorch#86509, #34323; library handles and workspaces
+included once cuBLAS/cuDNN/NCCL have initialized).
 
 One registration per process, on its first visible GPU (simcuda's model: one GPU per process; a
 rank of a multi-rank job on visible GPU LOCAL_RANK, `bind`), so
 a simulated job that spreads tensors over several GPUs shows its floor on the first one only.
+A full simulated GPU refuses memory as a real one does (simcuda.allocate, strict about room):
+`hold` then raises what the real torch path raises where the same memory would be taken, with
+simcuda's message: torch.OutOfMemoryError ("CUDA out of memory. Tried to allocate ...", the class
+torch.cuda.OutOfMemoryError names) for an allocation, and for the context, which a process's first
+CUDA call creates, torch.AcceleratorError ("CUDA error: out of memory"; torch >= 2.8, a plain
+RuntimeError before), each chained to simcuda.OutOfMemoryError with the figures. Where that
+surfaces: at `attach` and at a safepoint's measurement (where a real job's own `.to("cuda")` or
+step would have failed), and at a resume from RAM, which claims the parked bytes before copying
+them back (`Job.claim_device`), as parking.restore's refill allocates them: the resume fails, the
+job stays parked and says so, and a later resume may retry, as on a real GPU.
+
 Training thread only (as every walk of the attached tensors): no lock is needed.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping, Optional
+from typing import Optional
 
-from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
-
-DEFAULT_CONTEXT_BYTES = 512 * 2**20
+from gpuswap import simcuda
+from gpuswap.protocol.env import SIM_CUDA_DIR
+from gpuswap.simcuda import DEFAULT_CONTEXT_BYTES, context_bytes   # noqa: F401 (the floor: simcuda's context)
 
 _registered: Optional[int] = None       # bytes last registered by this process (None: not yet)
 _pid: Optional[int] = None              # ... and by which process (a fork is a process of its own)
-_floor: Optional[int] = None            # context_bytes(), read once
 _device = 0                             # ordinal within CUDA_VISIBLE_DEVICES (a rank's LOCAL_RANK)
 
 
@@ -56,47 +65,39 @@ def bind(device: int) -> None:
         _device, _registered = device, None
 
 
-def context_bytes(env: Mapping[str, str] = os.environ) -> int:
-    """The simulated context floor: $GPUSWAP_SIM_CONTEXT_BYTES (bytes, or a size such as 256MiB),
-    else the default; a value that cannot be read is reported once and the default used."""
-    text = env.get(SIM_CONTEXT_BYTES, "").strip()
-    if not text:
-        return DEFAULT_CONTEXT_BYTES
-    from gpuswap.jobs import parse_size
-
-    try:
-        value = parse_size(text)
-        if 0 <= value <= 2**50:
-            return value
-    except ValueError:
-        pass
-    print(f"gpuswap: ignoring {SIM_CONTEXT_BYTES}={text[:40]!r}: not a size; using {DEFAULT_CONTEXT_BYTES} bytes",
-          file=sys.stderr, flush=True)
-    return DEFAULT_CONTEXT_BYTES
-
-
 def hold(attached_bytes: int, simulated: bool) -> None:
-    """This process now holds the floor plus `attached_bytes` on its simulated GPU (registered on
-    the first call). Nothing happens on real GPUs or outside a daemon's simulated GPUs.
+    """This process now holds `attached_bytes` on its simulated GPU, beside its CUDA context, which
+    the simulated device adds (registered on the first call). Nothing happens on real GPUs or
+    outside a daemon's simulated GPUs.
 
     A CUDA call: while the driver holds the process (a job frozen transparently) it blocks until
     the thaw (simcuda.allocate), as a real allocation would. Callers (the training thread) hold no
     lock of the runtime's around it: its reader thread, which answers the daemon, never waits on it."""
-    global _registered, _pid, _floor
+    global _registered, _pid
     if not simulated:
         return
     if not os.environ.get(SIM_CUDA_DIR):
         return
-    if _floor is None:
-        _floor = context_bytes()
-    total = _floor + max(0, int(attached_bytes))
+    total = max(0, int(attached_bytes))
     if total == _registered and _pid == os.getpid():
         return
-    from gpuswap import simcuda
-
     try:
         simcuda.allocate(total, device=_device)
+    except simcuda.OutOfMemoryError as exc:            # the GPU is full: what torch would raise here
+        raise as_torch_error(exc) from exc
     except (OSError, ValueError, IndexError) as exc:   # a bad CUDA_VISIBLE_DEVICES, a full disk
         print(f"gpuswap: could not register with the simulated GPU: {exc}", file=sys.stderr, flush=True)
         return
     _registered, _pid = total, os.getpid()
+
+
+def as_torch_error(exc: "simcuda.OutOfMemoryError") -> RuntimeError:
+    """The exception torch raises for this failure (module docstring), with simcuda's message;
+    a RuntimeError with it where torch is not importable or too old to have the class."""
+    try:
+        import torch
+    except ImportError:
+        return RuntimeError(str(exc))
+    cls = getattr(torch, "AcceleratorError", RuntimeError) if exc.context_creation else \
+        getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+    return cls(str(exc))

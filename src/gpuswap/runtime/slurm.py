@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from gpuswap.runtime.handle import Job
 
 DEFAULT_SIGNALS = "USR2,TERM"
+# Raised by the fault itself: a Python handler only sets a flag and returns to the faulting
+# instruction, which faults again forever (the process spins instead of dying).
+FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
 REQUEUE_TIMEOUT_S = 20.0
 REQUEUE_FROM = ("RUNNING", "SUSPENDED")  # job states in which a checkpointed job asks for requeue
 
@@ -171,9 +174,21 @@ def parse_signals(text: str, source: str = envvars.SLURM_SIGNALS) -> list[signal
             raise ValueError(f"{source}: unknown signal {word!r}") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"{source}: {sig.name} cannot be caught")
+        if sig in FAULT_SIGNALS:
+            raise ValueError(f"{source}: {sig.name} reports a fault, it is no preemption signal")
         if sig not in out:
             out.append(sig)
     return out
+
+
+def signals_from_env(env: Mapping[str, str] = os.environ) -> list[signal.Signals]:
+    """`$GPUSWAP_SLURM_SIGNALS`, or the default; a value that is no signal list is ignored with one
+    line on stderr (the job is already training: a typo must not end it with a traceback)."""
+    try:
+        return parse_signals(env.get(envvars.SLURM_SIGNALS, DEFAULT_SIGNALS))
+    except ValueError as exc:
+        print(f"gpuswap: ignoring {exc}; using {DEFAULT_SIGNALS}", file=sys.stderr, flush=True)
+        return parse_signals(DEFAULT_SIGNALS)
 
 
 class SignalBridge:
@@ -181,16 +196,28 @@ class SignalBridge:
 
     The handler runs between bytecodes of the training thread, possibly while it holds the
     job's lock; so it only writes to the pipe, and the lock is taken by the helper thread.
+    A signal caught before there is a job (during `attach`'s restore, `catch_early`) is kept
+    in a list instead and acted on by `deliver_to` in the attaching thread, so the checkpoint
+    is taken at the job's first safepoint whatever the helper thread's scheduling.
     """
 
-    def __init__(self, job: "Job", signals: list[signal.Signals]) -> None:
+    def __init__(self, job: "Job | None", signals: list[signal.Signals]) -> None:
         self.job = job
         self.signals = signals
         self.received: list[str] = []
+        self._early: list[int] = []          # caught before `deliver_to` named the job
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._previous: dict[signal.Signals, Any] = {}
         self._thread = threading.Thread(target=self._pump, name="gpuswap-slurm", daemon=True)
+
+    def deliver_to(self, job: "Job") -> None:
+        """Name the job; what was caught before it existed is asked for now, before `attach`
+        returns. The job is set first: a signal from here on goes through the pipe."""
+        self.job = job
+        early, self._early = self._early, []
+        for signum in early:
+            self._act(signum)
 
     def install(self) -> None:
         """Make the handler ours for every signal whose handler is not; start the pump once.
@@ -205,6 +232,9 @@ class SignalBridge:
             self._thread.start()
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.job is None:        # no job yet: `deliver_to` acts on it (list.append is atomic)
+            self._early.append(signum)
+            return
         try:
             os.write(self._w, bytes([signum & 0xFF]))
         except OSError:  # pipe full: a pause is already on its way
@@ -219,25 +249,48 @@ class SignalBridge:
             if not data:
                 return
             for signum in data:
-                name = signal.Signals(signum).name
-                self.received.append(name)
-                print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
-                      file=sys.stderr, flush=True)
-            if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
-                if not self.job.send(Preempt(signal=name)):
-                    print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
-                          "the checkpoint", file=sys.stderr, flush=True)
-            else:
-                self.job.request_pause("disk")
+                self._act(signum)
+
+    def _act(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
+              file=sys.stderr, flush=True)
+        if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
+            if not self.job.send(Preempt(signal=name)):
+                print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
+                      "the checkpoint", file=sys.stderr, flush=True)
+        else:
+            self.job.request_pause("disk")
 
 
 _bridge: SignalBridge | None = None
 
 
+def catch_early(who: Any, env: Mapping[str, str] = os.environ) -> None:
+    """Take Slurm's signals before `attach` restores a checkpoint, which can take a while for a
+    large one: a signal then (a time limit's `--signal=USR2@120`, a second preemption) used to meet
+    the default action and end the job unrequeued, with nothing saved. Caught here, it waits in
+    the pipe until `install` names the job, which then checkpoints at its first safepoint. Not for
+    a rank under `slurm-wrap` (the wrapper gets the signals) nor off the main thread (`install`
+    says so)."""
+    global _bridge
+    if (who is not None and who.world_size > 1 and wrapped(env)) \
+            or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signals = parse_signals(env.get(envvars.SLURM_SIGNALS, DEFAULT_SIGNALS))
+    except ValueError:      # `install` reports the bad list once, and uses these too
+        signals = parse_signals(DEFAULT_SIGNALS)
+    if _bridge is None:
+        _bridge = SignalBridge(None, signals)
+    _bridge.install()
+
+
 def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | None:
     """Route Slurm's preemption signals to a disk pause; called by `attach` under Slurm."""
     global _bridge
-    signals = parse_signals(env.get(envvars.SLURM_SIGNALS, DEFAULT_SIGNALS))
+    signals = signals_from_env(env)
     restarts = restart_count(env)
     rank = getattr(job, "world_size", 1) > 1
     by_wrapper = rank and wrapped(env)   # slurm-wrap gets the signals and coordinates the ranks
@@ -251,8 +304,8 @@ def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | N
               file=sys.stderr, flush=True)
     if by_wrapper:
         return None
-    if _bridge is not None:  # a second attach: one pipe and pump, pointed at the new job
-        _bridge.job = job
+    if _bridge is not None:  # caught early (`catch_early`), or a second attach: one pipe and pump
+        _bridge.deliver_to(job)
     if threading.current_thread() is not threading.main_thread():
         print("gpuswap: attach() not called from the main thread: Slurm signals not handled",
               file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
 The cooperative job is the demo training script (an MLP with AdamW, a scheduler, a batch
 generator, dropout) held at a step by `coop_job`; its attached state is parameters, gradients and
 AdamW's two moments, 16 bytes per parameter, nearly all in the hidden layer (hidden² weights), so
-`--size` picks the hidden width. The unmodified job (`plain_job.py`) holds exactly `--size` bytes.
+`--size` picks the hidden width. The unmodified job (`plain_job.py`) allocates exactly `--size` bytes
+(NVML lists its process with its CUDA context too).
 """
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ with GATE already present (the uninterrupted reference) it never waits.
 
 On simulated GPUs (the daemon sets GPUSWAP_SIMULATED_GPU=1 and GPUSWAP_SIM_CUDA_DIR) CPU tensors
 stand in and the process registers itself as a simulated CUDA process holding N bytes, the one
-thing it takes from gpuswap: `gpuswap.simcuda` is the stand-in for the CUDA driver, and each step
-makes a simulated CUDA call, which blocks while the simulated driver holds the process.
+thing it takes from gpuswap: `gpuswap.simcuda` is the stand-in for the CUDA driver (which adds the
+process's CUDA context beside the N bytes, as NVML lists a real process with its context), and each
+step makes a simulated CUDA call, which blocks while the simulated driver holds the process.
 """
 from __future__ import annotations
 

@@ -105,8 +105,8 @@ function where(j) {
   return "-";
 }
 
-// A parked job always shows its tier's size; a driver-frozen job on simulated GPUs (or one whose
-// footprint could not be measured) has none to show, which "size unknown" says instead of "-".
+// A parked job always shows its tier's size; a driver-frozen job whose footprint could not be
+// measured (NVML gave no figure for its process) has none to show, which "size unknown" says instead of "-".
 function parkedSize(j) {
   if (!j.tier) return "-";
   return (j.parked_bytes ? size(j.parked_bytes) : "size unknown") + residueText(j);
