@@ -139,13 +139,15 @@ class SafepointCallback(TrainerCallback):
                 return train(resume_from_checkpoint, *a, **kw)
             # The callbacks' state too, whatever `restore_callback_states_from_checkpoint` says
             # (default False): an uninterrupted run never forgets its early-stopping patience.
+            # And no second `eval_on_start`: the run evaluated before its first step already,
+            # and the restored log history holds that evaluation.
             args = trainer.args
-            before = args.restore_callback_states_from_checkpoint
-            args.restore_callback_states_from_checkpoint = True
+            before = args.restore_callback_states_from_checkpoint, args.eval_on_start
+            args.restore_callback_states_from_checkpoint, args.eval_on_start = True, False
             try:
                 return train(self.resume_dir, *a, **kw)
             finally:
-                args.restore_callback_states_from_checkpoint = before
+                args.restore_callback_states_from_checkpoint, args.eval_on_start = before
 
         trainer.train = train_resuming  # type: ignore[method-assign]
 

@@ -5,6 +5,7 @@ model is built from a config, the data is synthetic).
 
 `FW_HF_EVAL=1`: evaluate every 8 steps on a held-out set (evaluation iterates a DataLoader, which
 draws from the global RNG, so a resume that skips or repeats one shifts dropout afterwards).
+`FW_HF_EVAL=start`: and evaluate once before the first step too (`eval_on_start`).
 `FW_HF_EVAL=early`: and stop early: with patience 3 and a threshold no eval loss improves by, the
 evaluations at steps 16, 24 and 32 count against the patience and training stops at step 32.
 """
@@ -28,6 +29,8 @@ N, SEQ, EPOCHS, BATCH = 96, 12, 3, 8  # 12 steps per epoch, 36 steps
 EVAL = (dict(eval_strategy="steps", eval_steps=8, per_device_eval_batch_size=8)
         if os.environ.get("FW_HF_EVAL") else {})
 EARLY = os.environ.get("FW_HF_EVAL") == "early"
+if os.environ.get("FW_HF_EVAL") == "start":
+    EVAL.update(eval_on_start=True)
 if EARLY:
     EVAL.update(metric_for_best_model="eval_loss", greater_is_better=False)
 

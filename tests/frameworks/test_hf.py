@@ -87,3 +87,23 @@ def test_disk_park_keeps_early_stopping_patience(early_runs: dict) -> None:
     assert r["restored_step"] == 19
     assert (r["global_step"], r["evals"], r["lr"]) == (32, base["evals"], base["lr"])
     assert r["sha256"] == base["sha256"]
+
+
+START_PLAN = "disk:11"  # a disk park after the evaluation before training and the one at step 8
+
+
+@pytest.fixture(scope="module")
+def start_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_all(JOB, tmp_path_factory.mktemp("hf-start"), [START_PLAN], env={"FW_HF_EVAL": "start"})
+
+
+def test_disk_park_does_not_repeat_the_evaluation_before_training(start_runs: dict) -> None:
+    """`eval_on_start` evaluates before the first step; the Trainer, resumed by gpuswap after a disk
+    park, evaluated again before its first resumed step: a second entry in the log history (at
+    the restored step) that an uninterrupted run never has. The resumed train() now skips it."""
+    base, r = start_runs["baseline"], start_runs[START_PLAN]
+    assert [s for s, _ in base["evals"]] == [0, 8, 16, 24, 32, 36]
+    assert r["restored_step"] == 11
+    assert r["evals"] == base["evals"]
+    assert (r["global_step"], r["epoch"], r["lr"]) == (36, 3.0, base["lr"])
+    assert r["sha256"] == base["sha256"]
