@@ -2,7 +2,10 @@
 slow filesystem) completes: the timeout bounds a rank that makes no progress, not a write that is
 moving. Before, the coordinator killed every rank once the parking phase outlived the timeout,
 failing the job and losing its work since the last checkpoint. A real daemon, torchrun with 2 gloo
-ranks, simulated GPUs; rank 1 writes its part as a slow disk would (mr_job.py `--fail-dir`)."""
+ranks, simulated GPUs; rank 1 writes its part as a slow disk would (mr_job.py `--fail-dir`). The
+ranks' heartbeat is set to 60 s (`$GPUSWAP_USAGE_INTERVAL_S`, above the timeout): the bytes written
+are reported as they move whatever the heartbeat (client.py `PROGRESS_S`); before, they rode on the
+heartbeat only, and a heartbeat slower than the timeout killed the job as above."""
 from __future__ import annotations
 
 import json
@@ -22,7 +25,8 @@ def _events(j, start):
     return sum(e["reason"].startswith(start) for e in j["events"])
 
 
-def test_a_disk_park_slower_than_the_pause_timeout_completes(make_daemon, home):
+def test_a_disk_park_slower_than_the_pause_timeout_completes(make_daemon, home, monkeypatch):
+    monkeypatch.setenv("GPUSWAP_USAGE_INTERVAL_S", str(6 * TIMEOUT_S))    # the job's env copies os.environ
     d = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--pause-timeout", str(TIMEOUT_S))
     gate, out, ref, fail = Gate(home / "go"), home / "out", home / "ref", home / "fail"
     fail.mkdir()

@@ -12,6 +12,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Callable, Mapping
 
 from gpuswap.protocol import env as envvars
@@ -22,6 +23,7 @@ USAGE_INTERVAL_MIN_S, USAGE_INTERVAL_MAX_S = 0.001, 3600.0
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 SEND_TIMEOUT_S = 5.0
+PROGRESS_S = 1.0    # a checkpoint being written shows its progress at least this often
 
 
 def usage_interval(env: Mapping[str, str] = os.environ) -> float:
@@ -50,12 +52,17 @@ class ControlClient:
         on_message: Callable[[records.Order], None],
         hello: Callable[[], records.Hello],
         usage: Callable[[], records.Usage],
+        progress: Callable[[], int] | None = None,
     ) -> None:
+        """`progress`: a counter that moves while a checkpoint is written (bytes written); while
+        it moves, usage goes out every `PROGRESS_S` whatever the interval, since the coordinator's
+        deadline for a disk park runs from the last progress it saw (runtime/agreement.py)."""
         self._address = address
         self._label = address
         self._on_message = on_message
         self._hello = hello
         self._usage = usage
+        self._progress = progress
         self._interval = usage_interval()
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -170,7 +177,16 @@ class ControlClient:
                 complained = True
 
     def _usage_loop(self) -> None:
-        while not self._closed.wait(self._interval):
+        tick = min(self._interval, PROGRESS_S) if self._progress is not None else self._interval
+        last_sent, seen = time.monotonic(), self._progress() if self._progress is not None else 0
+        while not self._closed.wait(tick):
+            moved = False
+            if self._progress is not None:
+                now_seen = self._progress()
+                moved, seen = now_seen != seen, now_seen
+            if not moved and time.monotonic() - last_sent < self._interval - tick / 2:   # a wait's jitter
+                continue
+            last_sent = time.monotonic()
             if self._connected.is_set():
                 try:
                     msg = self._usage()

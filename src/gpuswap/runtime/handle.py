@@ -288,8 +288,12 @@ class Job:
         thread brings pause and resume, its usage thread sends the heartbeat."""
         from gpuswap.runtime.client import ControlClient
 
-        self._client = ControlClient(control, self._on_message, self._hello, self._usage)
+        self._client = ControlClient(control, self._on_message, self._hello, self._usage, self._progress())
         self._client.start()
+
+    def _progress(self) -> Callable[[], int] | None:
+        """What moves while this job writes a checkpoint, if anything waits on it (ranks.py)."""
+        return None
 
     def close(self) -> None:
         """Stop the control threads (done at exit anyway; they are daemon threads)."""

@@ -135,6 +135,10 @@ class RankJob(Job):
         written = checkpoint.bytes_written()
         return replace(msg, written=written) if written else msg
 
+    def _progress(self) -> Callable[[], int]:
+        """The coordinator waits on a part being written as long as its bytes keep growing."""
+        return checkpoint.bytes_written
+
     # -- training thread -------------------------------------------------------------------
     def _serve_tick(self, tick: int) -> None:
         with self._cond:
