@@ -5,7 +5,9 @@ The supervisor is the server: it outlives daemon restarts, so a job parked in RA
 the daemon going away. The socket is a path in the run directory (only the daemon can make
 entries there), the job owner's file, mode 0600, and every peer's uid is checked as well
 (SO_PEERCRED). Every line goes through the gate (protocol/messages.py): a bad one is ignored and
-counted, and a connection that sends MAX_BAD of them is closed with one log line.
+counted, and a connection that sends MAX_BAD of them is closed with one log line. So is one that
+does not take an order within SEND_WAIT_S (`channel.send_or_drop`): a job that reads nothing must
+not hold up its supervisor, which sends under the lock every move of the job takes.
 
 A single-rank job's messages are folded into status.json's `runtime` here; a multi-rank job's
 (its first hello says world_size > 1) go to its ranks' coordinator (runtime/ranktable.py), whose
@@ -201,15 +203,12 @@ class JobChannel:
         files.write()
 
     def send(self, msg: records.Order) -> bool:
-        """A request to the single-rank runtime; False if it is not connected."""
+        """A request to the single-rank runtime; False if it is not connected, or reads nothing
+        (then its connection is closed: `channel.send_or_drop`)."""
         conn = self.conn
         if conn is None:
             return False
-        try:
-            conn.sendall(records.encode(msg))
-            return True
-        except OSError:
-            return False
+        return channel.send_or_drop(conn, records.encode(msg), self.files.log_limited, "the runtime's")
 
     # -- what a message changes ---------------------------------------------------------------
     def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None,

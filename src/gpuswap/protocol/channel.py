@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
-from typing import Any, Iterator, Optional
+import time
+from typing import Any, Callable, Iterator, Optional
 
 MAX_LINE = 1 << 20
+SEND_WAIT_S = 5.0     # the longest an order may wait for room in a job's socket (send_or_drop)
 
 
 def socket_address(value: str) -> str:
@@ -62,6 +65,39 @@ def _through_dir(op: Any, address: str) -> None:
 
 def encode(msg: dict[str, Any]) -> bytes:
     return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+
+
+def send_or_drop(conn: socket.socket, data: bytes, log: Callable[[str], None], whose: str) -> bool:
+    """Send one order to a job's runtime or rank (`whose`: "the runtime's", "a rank's"), blocking
+    at most SEND_WAIT_S in all: the sender (the supervisor) holds the lock every move of the job
+    takes. The job's reader thread reads all the time, so a socket that stays too full to take the
+    order (a `commit` of many ranks' parts is larger than the socket's buffer: the reader makes
+    room at once) means a peer that reads nothing, a broken or hostile job: the connection is shut
+    down, our reader of it ends, and it counts as lost (a runtime reconnects; a rank is lost to its
+    coordinator). Before, such a peer (thousands of hellos, each answered, none read) blocked the
+    send for good, and the job could no longer be cancelled."""
+    view = memoryview(data)
+    deadline = time.monotonic() + SEND_WAIT_S
+    try:
+        while view:
+            try:
+                view = view[conn.send(view, socket.MSG_DONTWAIT):]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                poller = select.poll()          # not select(): a descriptor may be above 1023
+                poller.register(conn, select.POLLOUT)
+                if left <= 0 or not poller.poll(left * 1000):
+                    log(f"closed {whose} control connection: it reads nothing of what it is sent")
+                    break
+        else:
+            return True
+    except OSError:
+        pass          # closed already: its reader sees it
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    return False
 
 
 def read_lines(sock: socket.socket, max_line: int = MAX_LINE) -> Iterator[Optional[bytes]]:

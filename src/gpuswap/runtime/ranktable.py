@@ -16,14 +16,12 @@ exit code (torchrun turns a rank's 75 into its own 1; design section 4).
 """
 from __future__ import annotations
 
-import select
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from gpuswap import processes
-from gpuswap.protocol import records
+from gpuswap.protocol import channel, records
 from gpuswap.protocol.bounds import MAX_WORLD
 from gpuswap.protocol.rundir import Desired
 from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect, Kill, Send
@@ -33,7 +31,6 @@ from gpuswap.runtime.agreement import REGROUPING, UNPARKING, Coordinator, Effect
 # times over (a rank that reconnects is the same process). Without a bound, a job that kept
 # connecting from new processes grew the table, and status.json, without end.
 MAX_PROCESSES = 4 * MAX_WORLD
-SEND_WAIT_S = 5.0     # the longest an order may wait for room in a rank's socket (send_or_drop)
 
 
 @dataclass(frozen=True)
@@ -129,7 +126,7 @@ class RankTable:
             if isinstance(e, Send):
                 conn = self.by_rank.get(e.rank)
                 if conn is not None:
-                    send_or_drop(conn, records.encode(e.msg), self.log)
+                    channel.send_or_drop(conn, records.encode(e.msg), self.log, "a rank's")
             elif isinstance(e, Kill):
                 self.log(f"ending the job: {e.reason}")
                 self.on_kill(e.reason)
@@ -164,38 +161,6 @@ class RankTable:
     def kill_all(self) -> int:
         """SIGKILL every process that was a rank and still is; how many were alive."""
         return processes.kill_pids([(p.pid, p.start_ticks) for p in self.processes.values()], self.uid)
-
-
-def send_or_drop(conn: socket.socket, data: bytes, log: Callable[[str], None]) -> bool:
-    """Send one order, blocking at most SEND_WAIT_S in all (we hold the lock every move of the job
-    takes). A rank's reader thread reads all the time, so a socket that stays too full to take the
-    order (a `commit` of many ranks' parts is larger than the socket's buffer: the reader makes
-    room at once) means a peer that reads nothing, a broken or hostile runtime: the connection is
-    shut down, its reader thread ends, and the coordinator hears the rank is lost. Before, such a
-    peer (thousands of hellos naming a past attempt, each answered, none read) blocked the send
-    for good."""
-    view = memoryview(data)
-    deadline = time.monotonic() + SEND_WAIT_S
-    try:
-        while view:
-            try:
-                view = view[conn.send(view, socket.MSG_DONTWAIT):]
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                poller = select.poll()          # not select(): a descriptor may be above 1023
-                poller.register(conn, select.POLLOUT)
-                if left <= 0 or not poller.poll(left * 1000):
-                    log("closed a rank's control connection: it reads nothing of what it is sent")
-                    break
-        else:
-            return True
-    except OSError:
-        pass          # closed already: its reader sees it (`lost`)
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    return False
 
 
 def _seq(seq: Optional[int]) -> str:
