@@ -200,7 +200,7 @@ class JobChannel:
             if self.ranks is not None:
                 self.ranks.lost(conn, time.time())
                 self.rank_facts()
-        files.write()
+        files.write_for_job()
 
     def send(self, msg: records.Order) -> bool:
         """A request to the single-rank runtime; False if it is not connected, or reads nothing
@@ -208,7 +208,7 @@ class JobChannel:
         conn = self.conn
         if conn is None:
             return False
-        return channel.send_or_drop(conn, records.encode(msg), self.files.log_limited, "the runtime's")
+        return channel.send_or_drop(conn, records.encode(msg), self.files.log_paced, "the runtime's")
 
     # -- what a message changes ---------------------------------------------------------------
     def on_message(self, conn: socket.socket, msg: records.Report, peer_pid: Optional[int] = None,
@@ -255,7 +255,7 @@ class JobChannel:
                 rt.update(error=msg.message, error_at=time.time())
             else:
                 return True
-        files.write()
+        files.write_for_job()
         self._reconcile()
         return True
 
@@ -285,7 +285,7 @@ class JobChannel:
             else:
                 self.ranks.receive(conn, msg, now)
             self.rank_facts()
-        files.write()
+        files.write_for_job()
         return True
 
     def rank_facts(self) -> None:

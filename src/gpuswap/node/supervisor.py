@@ -249,7 +249,7 @@ class Supervisor:
                                       if request[1] is not None else records.Resume())
                 if self.channel.send(msg):
                     self.channel.sent = request
-                    self.log(f"sent {records.wire(msg)}")
+                    self.files.log_paced(f"sent {records.wire(msg)}")   # a job's hellos cause these
         if changed:
             self.files.write()
 
