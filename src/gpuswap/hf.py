@@ -15,9 +15,10 @@ The Trainer's own state is what `Trainer._save_checkpoint` writes (weights, opti
 scheduler, scaler, RNG states, trainer_state.json with global step, epoch and callbacks'
 state), captured as bytes inside the gpuswap checkpoint: one atomic, checksummed file, no
 second checkpoint on disk. After a disk park, the restarted job's `Trainer.__init__` reaches
-the callback's `on_init_end`; the callback unpacks those files into a private temporary
-directory and makes `trainer.train()` resume from it when the script passes no
-`resume_from_checkpoint` of its own. So resuming uses the Trainer's `resume_from_checkpoint`
+the callback's `on_init_end`, which wraps `trainer.train`; when the script calls it with no
+`resume_from_checkpoint` of its own and the checkpoint is this train()'s to restore (the attach it
+makes is the one that wrote it: a script may train several times), the callback unpacks those
+files into a private temporary directory and the Trainer resumes from it. So resuming uses the Trainer's `resume_from_checkpoint`
 semantics exactly: global step, epoch, skipping the batches already seen in the current epoch
 (same sampler seed), RNG states; and the stateful callbacks' state (EarlyStoppingCallback's
 patience, TrainerControl), captured as it is at the safepoint and restored whatever
@@ -121,22 +122,19 @@ class SafepointCallback(TrainerCallback):
         config = current_config()
         if self.trainer is None or config is None or not config.ckpt_dir:
             return
-        saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart
-        if saved is None or saved.own is None:
-            return
-        # Several processes: the Trainer saved weights, optimizer, scheduler and scaler from the
-        # main process only, and rng_state_{rank}.pth on every rank, but every rank loads them all
-        # from the directory it resumes from: rank 0's files, then this rank's own over them.
-        files = dict(saved.rank0["files"]) if saved.rank0 is not None else {}
-        files.update(saved.own["files"])
-        self.resume_dir = _unpack(files)
         trainer = self.trainer
         train = trainer.train
 
         @functools.wraps(train)
         def train_resuming(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+            # Asked here, not at init: the checkpoint is restored only by the attach of the number
+            # that wrote it (checkpoint.other_attach), and this train()'s on_train_begin makes the
+            # next attach; Trainers built before an earlier one trains would count wrong at init.
             if resume_from_checkpoint is not None:
                 return train(resume_from_checkpoint, *a, **kw)
+            resume_dir = self._resume_dir(config)
+            if resume_dir is None:
+                return train(*a, **kw)
             # The callbacks' state too, whatever `restore_callback_states_from_checkpoint` says
             # (default False): an uninterrupted run never forgets its early-stopping patience.
             # And no second `eval_on_start`: the run evaluated before its first step already,
@@ -145,11 +143,25 @@ class SafepointCallback(TrainerCallback):
             before = args.restore_callback_states_from_checkpoint, args.eval_on_start
             args.restore_callback_states_from_checkpoint, args.eval_on_start = True, False
             try:
-                return train(self.resume_dir, *a, **kw)
+                return train(resume_dir, *a, **kw)
             finally:
                 args.restore_callback_states_from_checkpoint, args.eval_on_start = before
 
         trainer.train = train_resuming  # type: ignore[method-assign]
+
+    def _resume_dir(self, config: Any) -> Optional[str]:
+        """The Trainer's checkpoint files from the gpuswap checkpoint the coming attach restores,
+        unpacked; None if it restores none."""
+        saved = prerestore.saved_state(config, STATE_NAME)  # none usable: exits, never a silent restart
+        if saved is None or saved.own is None:
+            return None
+        # Several processes: the Trainer saved weights, optimizer, scheduler and scaler from the
+        # main process only, and rng_state_{rank}.pth on every rank, but every rank loads them all
+        # from the directory it resumes from: rank 0's files, then this rank's own over them.
+        files = dict(saved.rank0["files"]) if saved.rank0 is not None else {}
+        files.update(saved.own["files"])
+        self.resume_dir = _unpack(files)
+        return self.resume_dir
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer

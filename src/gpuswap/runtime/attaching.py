@@ -16,6 +16,14 @@ from gpuswap.runtime.handle import Job, NullJob
 from gpuswap.runtime.objects import classify, is_plain
 
 _active: Job | None = None
+_attaches = 0     # attaches inside gpuswap so far in this process: each checkpoint records its attach's
+
+
+def next_attach() -> int:
+    """The number the next `attach()` of this process will have (1 for the first). A checkpoint
+    is restored only by the attach of the number that wrote it (checkpoint.other_attach); the
+    framework callbacks ask this before their pre-attach restore (runtime/prerestore.py)."""
+    return _attaches + 1
 
 
 def current_config() -> RuntimeConfig | None:
@@ -50,7 +58,8 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     config = current_config()
     if config is None:
         return NullJob(plain)
-    global _active
+    global _active, _attaches
+    _attaches += 1
     who = None
     if config.control:     # under Slurm only a rank of a multi-rank job has one (runtime/slurm.py)
         from gpuswap.runtime import ranks
@@ -64,7 +73,7 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
         from gpuswap.runtime import slurm
 
         slurm.catch_early(who)      # a signal during the restore below waits for the job
-    job = _handle(items, config, who)
+    job = _handle(items, config, who, _attaches)
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given
     job.measure()  # what `hello` reports: the reader thread must not walk the tensors itself
@@ -81,20 +90,23 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     return job
 
 
-def _handle(items: list[Any], config: RuntimeConfig, who: Any) -> Job:
+def _handle(items: list[Any], config: RuntimeConfig, who: Any, attach_no: int) -> Job:
     """The handle, wired and restored: a rank's (`ranks.py`) for a multi-rank job, else the
-    single-rank one whose pauses `pausing.py` serves."""
+    single-rank one whose pauses `pausing.py` serves. `attach_no`: which attach of the process
+    this is; its checkpoints say so, and it restores only a checkpoint of its own number."""
     before_exit = _slurm_requeue(config) if config.slurm else None
     if who is not None and who.world_size > 1:     # a rank of a multi-rank job (runtime/ranks.py)
         from gpuswap.runtime import ranks
 
         job: Job = ranks.RankJob(items, config, who, before_exit=before_exit)
+        job.attach_no = attach_no
         ranks.restore_ranks(job)
         atexit.register(job.close)
         return job
     from gpuswap.runtime import pausing
 
     job = Job(items, config, serve_pause=pausing.serve, before_exit=before_exit)
+    job.attach_no = attach_no
     if config.ckpt_dir:
         pausing.restore_latest(job)
     return job

@@ -98,6 +98,7 @@ class CheckpointInfo:
     job_id: str | None = None
     host: str | None = None
     format: str = FORMAT
+    attach: int | None = None     # which attach of its process wrote it (`attach_of`); None: not recorded
 
     def manifest_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,7 +199,8 @@ def _info(raw: Any) -> CheckpointInfo:
     info = CheckpointInfo(**known)  # unknown keys: written by a newer gpuswap; ignore
     if (not all(type(v) is int for v in (info.seq, info.step, info.bytes))
             or not isinstance(info.payload, str) or not re.fullmatch(r"ckpt-\d+\.pt", info.payload)
-            or not isinstance(info.sha256, str)):
+            or not isinstance(info.sha256, str)
+            or not (info.attach is None or (type(info.attach) is int and info.attach >= 1))):
         raise ValueError("manifest has a field of the wrong type or a payload that is no checkpoint file")
     return info
 
@@ -222,7 +224,7 @@ def write_checkpoint(
     size, digest = _write_file_atomic(d, stem + ".pt", lambda f: torch.save(payload, f))
     info = CheckpointInfo(
         seq=seq, step=int(step), payload=stem + ".pt", bytes=size, sha256=digest,
-        created_unix=time.time(), job_id=job_id, host=socket.gethostname(),
+        created_unix=time.time(), job_id=job_id, host=socket.gethostname(), attach=payload.get("attach"),
     )
     text = json.dumps(info.manifest_dict(), indent=1).encode()
     _write_file_atomic(d, stem + ".json", lambda f: f.write(text))
@@ -410,6 +412,30 @@ def choose(directory: str | os.PathLike, env: Mapping[str, str] = os.environ, jo
         return None, None, f"{why}; restarted from step 0 as {RESTART_ON_BAD_CHECKPOINT}=1 asks"
     raise NoUsableCheckpoint(f"{why}; not restarting from step 0 (set {RESTART_ON_BAD_CHECKPOINT}=1 in the "
                              "job's environment to allow that)")
+
+
+def attach_of(payload: Mapping[str, Any]) -> int:
+    """Which `attach()` of its process wrote a checkpoint (a single-rank payload, or a rank's part):
+    1 for the first, 2 for the second, ... A script may attach several times (pretraining then
+    fine-tuning, two `fit()` calls); after a restart only the attach of the same ordinal restores
+    the checkpoint (`other_attach`). A checkpoint written before the ordinal was recorded counts as
+    the first attach's, which is what it was in a script that attaches once."""
+    n = payload.get("attach")
+    return n if type(n) is int and n >= 1 else 1
+
+
+def other_attach(written_by: int, attach_no: int, seq: int, step: Any) -> str | None:
+    """None if attach number `attach_no` of this process is the one that restores a checkpoint
+    `written_by` that attach; else the one line that says why it does not, and what happens
+    instead (docs/runtime.md "Several attaches in one process")."""
+    if written_by == attach_no:
+        return None
+    if attach_no < written_by:
+        return (f"attach {attach_no} of this process does not restore checkpoint seq {seq} (step {step}): "
+                f"attach {written_by} wrote it, after this phase had finished; this phase runs again from "
+                f"step 0, and attach {written_by} resumes from the checkpoint")
+    return (f"attach {attach_no} of this process starts from step 0: checkpoint seq {seq} (step {step}) was "
+            f"written by attach {written_by}, which has finished since")
 
 
 def _warn(text: str) -> None:

@@ -150,7 +150,8 @@ def _parts_from(raw: Any, world_size: int) -> tuple[int, tuple[PartInfo, ...]]:
 
 
 def write_manifest(directory: str | os.PathLike, parts: list[dict[str, Any]], *, step: int,
-                   tick: int | None, world_size: int, job_id: str | None = None) -> ManifestInfo:
+                   tick: int | None, world_size: int, job_id: str | None = None,
+                   attach: int | None = None) -> ManifestInfo:
     """Rank 0, once every part is durable (`commit{e,parts}`): commit the checkpoint by writing
     its manifest, fsync the directory, prune (manifests first, then their parts; orphan parts
     and stale temp files go too). Each listed part must exist with its reported size."""
@@ -172,6 +173,8 @@ def write_manifest(directory: str | os.PathLike, parts: list[dict[str, Any]], *,
            "world_size": info.world_size,
            "parts": [{"rank": p.rank, "file": p.file, "bytes": p.bytes, "sha256": p.sha256} for p in infos],
            "job_id": job_id, "host": info.host, "created_unix": info.created_unix}
+    if attach is not None:      # which attach of the process wrote it (each part says so too)
+        doc["attach"] = int(attach)
     text = json.dumps(doc, indent=1).encode()
     checkpoint._write_file_atomic(d, info.manifest, lambda f: f.write(text))
     checkpoint._fsync_dir(d)

@@ -57,7 +57,8 @@ class Job:
     __slots__ = (
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
-        "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit",
+        "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit", "attach_no",
+        "checkpoint_of",
     )
     inside = True
 
@@ -74,6 +75,8 @@ class Job:
         self.restored_bytes = 0                  # checkpoint bytes restored at attach, and how long
         self.restore_s: float | None = None      # it took: the daemon's disk-read bandwidth sample
         self.restore_note: str | None = None     # newer checkpoints skipped, or a requested restart
+        self.attach_no = 1                       # which attach of the process made it (1, 2, ...; attaching.py)
+        self.checkpoint_of: int | None = None    # the attach whose checkpoint this one found and left alone
         self.config = config
         self._items = items
         self._pending = False  # the one flag safepoint reads: a pause or a measurement is asked for

@@ -35,6 +35,7 @@ def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
         "user_state": objects.map_tensors(job.state, to_host),
         "rng": rng.capture(),
         "job_id": job.config.job_id,
+        "attach": job.attach_no,
     }
 
 
@@ -150,11 +151,20 @@ def restore_latest(job: "Job") -> None:
     """At attach: restore the newest good checkpoint in place, if there is one. The time it took
     (read, verify, load, copy into the objects) goes to the daemon with `hello`: it is what a
     disk-tier resume costs, the sample the daemon's disk-read bandwidth is learned from.
-    Checkpoints that exist but none usable end the job (see `checkpoint.choose`)."""
+    Checkpoints that exist but none usable end the job (see `checkpoint.choose`). A checkpoint
+    written by another attach of the process (a script that attaches once per phase) is left to
+    that attach, and this one starts from step 0 (`checkpoint.other_attach` says why, once)."""
     t0 = time.perf_counter()
     info, payload = choose_or_exit(job.config)
     job.restore_note = _last_note
     if info is None or payload is None:
+        return
+    written_by = checkpoint.attach_of(payload)
+    other = checkpoint.other_attach(written_by, job.attach_no, info.seq, info.step)
+    if other is not None:
+        print(f"gpuswap: {other}", file=sys.stderr, flush=True)
+        job.checkpoint_of = written_by
+        job.restore_note = "; ".join(filter(None, [_last_note, other]))
         return
     try:
         warnings = objects.restore(job.items, payload["objects"])

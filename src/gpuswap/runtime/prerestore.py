@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpuswap.runtime import pausing, rankstate, ranks
+from gpuswap.runtime import attaching, checkpoint, pausing, rankstate, ranks
 
 if TYPE_CHECKING:
     from gpuswap.runtime.config import RuntimeConfig
@@ -35,20 +35,22 @@ class SavedState:
 
 def saved_state(config: "RuntimeConfig", name: str) -> Optional[SavedState]:
     """The state saved for attached object `name` in the checkpoint this job will resume from;
-    None when there is no checkpoint. Checkpoints that exist but none
+    None when there is no checkpoint, or when it is not the next attach's to restore: another
+    attach of the process wrote it (checkpoint.other_attach; that attach says so), so the
+    framework starts this phase afresh, as `attach` does. Checkpoints that exist but none
     usable end the process (`restore_failed`, exit 1), as `attach` would: never a silent restart.
     The rank comes from the launcher's environment or the initialized default process group
     (runtime/ranks.py), as at `attach`."""
     who = ranks.identity(group=ranks.default_group())
     if who.world_size == 1:
         _, payload = pausing.choose_or_exit(config)
-        if payload is None:
+        if payload is None or checkpoint.attach_of(payload) != attaching.next_attach():
             return None
         state = (payload["objects"].get(name) or {}).get("state")
         return SavedState(state, state, int(payload["step"]), 0, 1)
     chosen, _ = rankstate.choose_or_exit(config.ckpt_dir, config.control, who.rank, who.world_size,
                                          config.job_id)
-    if chosen is None:
+    if chosen is None or checkpoint.attach_of(chosen.own) != attaching.next_attach():
         return None
     own = ((chosen.own.get("own") or {}).get(name) or {}).get("state")
     first = ((chosen.shared.get("own") or {}).get(name) or {}).get("state")

@@ -326,7 +326,7 @@ def part_payload(job: RankJob, park: Optional[parking.RamPark]) -> dict[str, Any
 
     return rankstate.part_payload(job.items, job.state, rank=job.rank, world_size=job.world_size,
                                   step=job.step, tick=job.tick, job_id=job.config.job_id, to_host=to_host,
-                                  related=related(job.items))
+                                  related=related(job.items), attach=job.attach_no)
 
 
 def commit_parts(job: RankJob, parts: tuple[records.PartRef, ...]) -> dict[str, Any]:
@@ -336,7 +336,7 @@ def commit_parts(job: RankJob, parts: tuple[records.PartRef, ...]) -> dict[str, 
     if not cfg.ckpt_dir:
         raise RuntimeError("no $GPUSWAP_CKPT_DIR for this job")
     info = ckparts.write_manifest(cfg.ckpt_dir, [records.wire(p) for p in parts], step=job.step, tick=job.tick,
-                                  world_size=job.world_size, job_id=cfg.job_id)
+                                  world_size=job.world_size, job_id=cfg.job_id, attach=job.attach_no)
     return {"seq": info.seq, "path": os.path.join(cfg.ckpt_dir, info.manifest), "bytes": info.bytes,
             "step": info.step}
 
@@ -349,8 +349,8 @@ def restore_ranks(job: RankJob) -> None:
     if not cfg.ckpt_dir:
         return
     done = rankstate.restore_latest(cfg.ckpt_dir, cfg.control, job.items, job.state, job.rank,
-                                    job.world_size, related(job.items), cfg.job_id)
-    job.restore_note = done.note
+                                    job.world_size, related(job.items), cfg.job_id, job.attach_no)
+    job.restore_note, job.checkpoint_of = done.note, done.checkpoint_of
     if done.step is None:
         return
     job.restored_step, job.start_step, job.restored_seq = done.step, done.start_step, done.seq

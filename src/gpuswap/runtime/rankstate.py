@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NoReturn
 
 from gpuswap.runtime import ckparts, ddpbuckets, objects, rng
-from gpuswap.runtime.checkpoint import CheckpointError
+from gpuswap.runtime.checkpoint import CheckpointError, other_attach
+from gpuswap.runtime.checkpoint import attach_of as checkpoint_attach_of
 from gpuswap.runtime.objects import Attached
 
 OWN, SHARED, SPLIT, ZERO = "own", "shared", "split", "zero"
@@ -157,15 +158,17 @@ def split(items: list[Attached], rank: int, to_host: Callable[[Any], Any],
 
 def part_payload(items: list[Attached], user_state: dict[str, Any], *, rank: int, world_size: int,
                  step: int, tick: int | None, job_id: str | None, to_host: Callable[[Any], Any],
-                 related: Iterable[Any] = ()) -> dict[str, Any]:
+                 related: Iterable[Any] = (), attach: int = 1) -> dict[str, Any]:
     """The dict `ckparts.write_part` saves for this rank. `to_host(t)` is the single-rank
-    snapshot's (a view of the parked host copy, or a CPU copy)."""
+    snapshot's (a view of the parked host copy, or a CPU copy). `attach`: which attach of the
+    process this is (checkpoint.attach_of)."""
     shared, own = split(items, rank, to_host, related)
     ddps = ddp_wrappers([a.obj for a in items] + list(related))
     return {"format": ckparts.FORMAT, "rank": int(rank), "world_size": int(world_size),
             "step": int(step), "tick": tick, "job_id": job_id, "shared": shared, "own": own,
             "ddp_buckets": [ddpbuckets.layout(d) for d in ddps],
-            "user_state": objects.map_tensors(user_state, _host_fn(to_host)), "rng": rng.capture()}
+            "user_state": objects.map_tensors(user_state, _host_fn(to_host)), "rng": rng.capture(),
+            "attach": int(attach)}
 
 
 def _unshard(value: Any, template: Callable[[tuple], Any], path: tuple = ()) -> Any:
@@ -281,6 +284,7 @@ class Restored:
     bytes: int = 0
     seconds: float | None = None
     note: str | None = None
+    checkpoint_of: int | None = None    # the attach that wrote the checkpoint found, when not this one
 
 
 def _cannot_resume(control: str | None, rank: int, exc: BaseException) -> NoReturn:
@@ -312,17 +316,24 @@ def choose_or_exit(ckpt_dir: str | None, control: str | None, rank: int,
 
 def restore_latest(ckpt_dir: str | None, control: str | None, items: list[Attached],
                    user_state: dict[str, Any], rank: int, world_size: int,
-                   related: Iterable[Any] = (), job_id: str | None = None) -> Restored:
+                   related: Iterable[Any] = (), job_id: str | None = None, attach_no: int = 1) -> Restored:
     """At attach, on every rank of a multi-rank job: restore the newest usable checkpoint in
     place (its own part, and rank 0's shared state), and `user_state` (job.state) from its own
     part. No usable checkpoint, or one that does not fit the objects (another model, other
-    sharding): `restore_failed` and exit 1 (`choose_or_exit`)."""
+    sharding): `restore_failed` and exit 1 (`choose_or_exit`). A checkpoint another attach of
+    the process wrote (`attach_no` is this one's) is left to it, as on a single rank
+    (`checkpoint.other_attach`): every rank reads the same parts, so all of them decide alike."""
     import time
 
     t0 = time.perf_counter()
     chosen, note = choose_or_exit(ckpt_dir, control, rank, world_size, job_id)
     if chosen is None:
         return Restored(note=note)
+    written_by = checkpoint_attach_of(chosen.own)
+    other = other_attach(written_by, attach_no, chosen.info.seq, int(chosen.own["step"]))
+    if other is not None:
+        print(f"gpuswap: rank {rank}: {other}", file=sys.stderr, flush=True)
+        return Restored(note="; ".join(filter(None, [note, other])), checkpoint_of=written_by)
     try:
         warnings = restore(items, chosen.own, chosen.shared, related)
         saved_state = _unshard(chosen.own.get("user_state") or {}, lambda path: None)

@@ -299,7 +299,7 @@ def install(job: "Job", env: Mapping[str, str] = os.environ) -> SignalBridge | N
           f"{job.config.ckpt_dir}; preemption signals "
           f"{'handled by gpuswap slurm-wrap' if by_wrapper else ','.join(s.name for s in signals) or 'none'}",
           file=sys.stderr, flush=True)
-    if restarts and job.restored_step is None:
+    if restarts and job.restored_step is None and job.checkpoint_of is None:
         print("gpuswap: restarted by Slurm but no usable checkpoint: starting from step 0",
               file=sys.stderr, flush=True)
     if by_wrapper:
