@@ -95,10 +95,11 @@ def test_a_disk_park_in_either_phase_resumes_that_phase_exactly(tmp_path: Path, 
     manifests = list((tmp_path / ".gpuswap" / "ckpt" / "31").glob("ckpt-*.json"))
     assert len(manifests) == 1
     manifest = json.loads(manifests[0].read_text())
-    assert manifest["attach"] == phase and manifest["step"] >= 5     # which attach wrote it
+    assert manifest["step"] >= 5
 
     resumed = _run(tmp_path, slurm=True, SLURM_RESTART_COUNT="1")
     assert _result(resumed) == uninterrupted          # both models, job.state, and the RNG after it all
+    assert manifest.get("attach") == phase            # which attach wrote it
     step = manifest["step"]
     if phase == 2:     # the first phase had finished before the park: it runs again, and says why
         assert f"phase 1: start_step 0\n" in resumed.stdout
