@@ -276,3 +276,72 @@ def test_a_signal_while_the_checkpoint_is_restored_checkpoints_at_the_first_safe
     assert steps == [saved_step, saved_step + 1], steps     # saved again at its first safepoint
     third = run("", 2)
     assert third.returncode == 3 and third.stdout.startswith(f"start {saved_step + 2}\n"), third.stderr
+
+
+BETWEEN_PHASES = """
+import os, signal, sys, time
+import torch
+import gpuswap
+from gpuswap.runtime import slurm
+
+job = gpuswap.attach(model=torch.nn.Linear(2, 2))
+for step in range(3):
+    job.safepoint(step)
+os.kill(os.getpid(), signal.SIGUSR2)       # after phase 1's last safepoint: an eval, a save between phases
+deadline = time.monotonic() + 60
+while not slurm._bridge.received and time.monotonic() < deadline:     # the fact: the signal was acted on
+    time.sleep(0.001)
+job = gpuswap.attach(model=torch.nn.Linear(2, 2))      # phase 2, e.g. a second fit()
+for step in range(job.start_step, 50):
+    job.safepoint(step)
+sys.exit(3)
+"""
+
+
+def test_a_signal_between_two_attaches_checkpoints_at_the_next_ones_first_safepoint(tmp_path: Path) -> None:
+    """A signal after the first attach's last safepoint was asked of that job, whose loop had
+    ended: the second phase trained to its end with nothing saved (Slurm kills it at the time
+    limit, unrequeued). Now the checkpoint is taken at the second attach's first safepoint."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSWAP_", "SLURM_"))}
+    env.update(SLURM_JOB_ID="15", SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit",
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", BETWEEN_PHASES], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == REQUEUE_EXIT_CODE, (p.returncode, p.stderr)
+    manifests = [json.loads(m.read_text()) for m in (tmp_path / ".gpuswap" / "ckpt" / "15").glob("ckpt-*.json")]
+    assert [(m["attach"], m["step"]) for m in manifests] == [(2, 0)]
+
+
+class _FakeJob:
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def request_pause(self, tier: str) -> None:
+        self.asked.append(tier)
+
+    def pause_asked(self) -> str | None:
+        return self.asked[-1] if self.asked else None
+
+
+def test_the_bridge_hands_a_signal_to_the_next_attach_whichever_way_it_arrives() -> None:
+    """No thread, no timing: the pump's `_act` called directly as it would run."""
+    bridge = slurm.SignalBridge(None, [])
+    first, second, third = _FakeJob(), _FakeJob(), _FakeJob()
+    bridge.deliver_to(first)
+    bridge._act(signal.SIGUSR2)                 # during phase 1: that job's
+    assert first.asked == ["disk"]
+    bridge.detach()                             # phase 2's attach begins; phase 1 never took it
+    bridge._act(signal.SIGTERM)                 # a byte the pump reads only now: for the coming job
+    assert first.asked == ["disk"]
+    bridge.deliver_to(second)
+    assert second.asked == ["disk"]             # once, not once per signal and once more for the carry
+    bridge.detach()
+    bridge.deliver_to(third)                    # the second job's request counts as untaken too ...
+    assert third.asked == ["disk"]
+    third.asked.clear()
+    bridge.detach()
+    fourth = _FakeJob()
+    bridge.deliver_to(fourth)                   # ... but nothing is asked that no signal asked for
+    assert fourth.asked == []

@@ -141,6 +141,11 @@ class Job:
         if cancelled:
             self.send(records.Resumed(bytes=0, seconds=0.0))
 
+    def pause_asked(self) -> str | None:
+        """The tier of a pause asked for and not yet taken at a safepoint, if any."""
+        with self._cond:
+            return self._tier_req
+
     def request_measure(self) -> None:
         """Have the next safepoint measure `device_bytes` (what the usage heartbeat does)."""
         with self._cond:

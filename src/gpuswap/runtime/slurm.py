@@ -199,6 +199,11 @@ class SignalBridge:
     A signal caught before there is a job (during `attach`'s restore, `catch_early`) is kept
     in a list instead and acted on by `deliver_to` in the attaching thread, so the checkpoint
     is taken at the job's first safepoint whatever the helper thread's scheduling.
+
+    Each attach after the first begins with `detach`: from then on a signal waits for the new
+    job too, and a checkpoint asked of the previous job and never taken (a signal after its last
+    safepoint: between two phases, or two `fit()` calls) is asked of the new one. Before, both
+    went to the previous job, whose loop had ended: the checkpoint was never taken.
     """
 
     def __init__(self, job: "Job | None", signals: list[signal.Signals]) -> None:
@@ -206,16 +211,32 @@ class SignalBridge:
         self.signals = signals
         self.received: list[str] = []
         self._early: list[int] = []          # caught before `deliver_to` named the job
+        self._carried: str | None = None     # a signal the previous job never took a checkpoint for
+        self._lock = threading.Lock()        # the pump against `detach`/`deliver_to`; never the handler
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._previous: dict[signal.Signals, Any] = {}
         self._thread = threading.Thread(target=self._pump, name="gpuswap-slurm", daemon=True)
 
+    def detach(self) -> None:
+        """A new attach begins (`catch_early`): what is caught from here on waits for its job."""
+        with self._lock:
+            old, self.job = self.job, None
+            if old is not None and getattr(old, "world_size", 1) <= 1 and old.pause_asked() == "disk" \
+                    and self.received:
+                self._carried = self.received[-1]
+
     def deliver_to(self, job: "Job") -> None:
         """Name the job; what was caught before it existed is asked for now, before `attach`
         returns. The job is set first: a signal from here on goes through the pipe."""
-        self.job = job
-        early, self._early = self._early, []
+        with self._lock:
+            self.job = job
+            early, self._early = self._early, []
+            carried, self._carried = self._carried, None
+        if carried is not None and not early:
+            print(f"gpuswap: the checkpoint asked for by {carried} before this attach was not taken; "
+                  "taking it at this attach's first safepoint", file=sys.stderr, flush=True)
+            job.request_pause("disk")
         for signum in early:
             self._act(signum)
 
@@ -253,15 +274,20 @@ class SignalBridge:
 
     def _act(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self.received.append(name)
+        with self._lock:
+            job = self.job
+            if job is None:         # written before `detach`, read after: for the coming job
+                self._early.append(signum)
+                return
+            self.received.append(name)
+            rank = getattr(job, "world_size", 1) > 1
+            if not rank:
+                job.request_pause("disk")   # under the lock: `detach` sees it asked, or the new job gets it
         print(f"gpuswap: got {name} from Slurm; checkpointing at the next safepoint",
               file=sys.stderr, flush=True)
-        if getattr(self.job, "world_size", 1) > 1:     # a rank: ask the coordinator
-            if not self.job.send(Preempt(signal=name)):
-                print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
-                      "the checkpoint", file=sys.stderr, flush=True)
-        else:
-            self.job.request_pause("disk")
+        if rank and not job.send(Preempt(signal=name)):     # a rank: ask the coordinator
+            print("gpuswap: the job's coordinator is not reachable; this rank cannot ask for "
+                  "the checkpoint", file=sys.stderr, flush=True)
 
 
 _bridge: SignalBridge | None = None
@@ -284,6 +310,8 @@ def catch_early(who: Any, env: Mapping[str, str] = os.environ) -> None:
         signals = parse_signals(DEFAULT_SIGNALS)
     if _bridge is None:
         _bridge = SignalBridge(None, signals)
+    else:
+        _bridge.detach()    # a later attach: the previous job's loop has ended
     _bridge.install()
 
 
