@@ -71,8 +71,9 @@ def _run(tmp: Path, slurm: bool, **env_extra: str) -> subprocess.CompletedProces
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
     if slurm:
         env.update(SLURM_JOB_ID="31", SLURM_SUBMIT_DIR=str(tmp), GPUSWAP_SLURM_REQUEUE="exit")
+    script = env_extra.pop("SCRIPT", TWO_PHASES)
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-c", TWO_PHASES], env=env, cwd=tmp, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp, capture_output=True, text=True,
                           timeout=180)
 
 
@@ -147,3 +148,62 @@ def test_a_rank_restores_only_a_checkpoint_of_its_attach(tmp_path: Path) -> None
     done = rankstate.restore_latest(str(tmp_path), None, [classify("model", second)], state, 0, 1, attach_no=2)
     assert done.step == 6 and done.checkpoint_of is None and state == {"seen": 9}
     assert torch.equal(second.weight, src.weight)
+
+
+# The same two phases, but the script skips phase 1 once it has finished (a marker file, as a
+# script that saves its pretrained weights and loads them on a restart would), and phase 2's
+# model has another shape. After a park in phase 2 the restart's first attach is phase 2's.
+SKIPPING = TWO_PHASES.replace(
+    "a, seen_a = phase(1, torch.nn.Linear(4, 4), 12)     # same shapes in both phases: the dangerous case\n",
+    "if os.path.exists('phase1.done'):\n"
+    "    a, seen_a = torch.nn.Linear(4, 4), None\n"
+    "else:\n"
+    "    a, seen_a = phase(1, torch.nn.Linear(4, 4), 12)\n"
+    "    open('phase1.done', 'w').close()\n",
+).replace("b, seen_b = phase(2, torch.nn.Linear(4, 4), 12)", "b, seen_b = phase(2, torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), 12)")
+SKIPPING = SKIPPING.replace('("b.weight", b.weight), ("b.bias", b.bias)', '("b.weight", b[1].weight), ("b.bias", b[1].bias)')
+
+
+def test_a_restart_that_skips_the_finished_phase_resumes_the_parked_one(tmp_path: Path) -> None:
+    """Recording only the attach number made such a script lose the parked phase on every restart:
+    its first attach (phase 2's) met a checkpoint of attach 2 and ran again from step 0. A
+    checkpoint now also keeps what each attach of its process attached (objects.signature), and an
+    attach that matches its checkpoint's attach and no earlier one resumes it (pausing.skipped_to)."""
+    assert SKIPPING != TWO_PHASES and "phase1.done" in SKIPPING and "b[1].weight" in SKIPPING
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    reference = _result(_run(plain, slurm=False, SCRIPT=SKIPPING))
+    parked = _run(tmp_path, slurm=True, PARK="2:5", SCRIPT=SKIPPING)
+    assert parked.returncode == REQUEUE_EXIT_CODE, (parked.returncode, parked.stderr[-3000:])
+    [manifest] = [json.loads(m.read_text()) for m in (tmp_path / ".gpuswap" / "ckpt" / "31").glob("ckpt-*.json")]
+    assert manifest["attach"] == 2
+    resumed = _run(tmp_path, slurm=True, SLURM_RESTART_COUNT="1", SCRIPT=SKIPPING)
+    r = _result(resumed)
+    assert "phase 1" not in resumed.stdout and f"phase 2: start_step {manifest['step'] + 1}\n" in resumed.stdout
+    assert "attach 1 of this process is attach 2 of the run that wrote checkpoint" in resumed.stderr
+    assert {k: v for k, v in r["params"].items() if k.startswith("b.")} == \
+        {k: v for k, v in reference["params"].items() if k.startswith("b.")}
+    assert r["seen"][1] == reference["seen"][1] and r["rng"] == reference["rng"]
+
+
+def test_an_attach_like_an_earlier_one_is_not_taken_for_a_skipped_phase() -> None:
+    """Where the checkpoint's attach attached what an earlier attach did too (same names, shapes,
+    dtypes), nothing tells a rerun of the earlier phase from a skip to the later one: the earlier
+    phase's rerun is the safe reading (never another phase's state in its objects)."""
+    import torch
+
+    from gpuswap.runtime import pausing
+    from gpuswap.runtime.handle import Job
+    from gpuswap.runtime.objects import signature
+
+    one, other = signature([classify("model", torch.nn.Linear(4, 4))], ["seen"]), \
+        signature([classify("model", torch.nn.Linear(4, 3))], ["seen"])
+    assert one == signature([classify("model", torch.nn.Linear(4, 4))], ["seen"]) and one != other
+    job = Job.__new__(Job)
+    job.attach_no, job.attach_sigs = 1, (other,)
+    assert pausing.skipped_to(job, {"attaches": [one, other]}, 2)          # phase 1 skipped: phase 2's
+    job.attach_sigs = (one,)
+    assert not pausing.skipped_to(job, {"attaches": [one, other]}, 2)      # phase 1 again
+    job.attach_sigs = (one,)
+    assert not pausing.skipped_to(job, {"attaches": [one, one]}, 2)        # alike: phase 1 again
+    assert not pausing.skipped_to(job, {"attach": 2}, 2)                   # written before signatures

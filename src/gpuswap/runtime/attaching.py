@@ -13,10 +13,11 @@ from typing import Any, Callable
 
 from gpuswap.runtime.config import RuntimeConfig
 from gpuswap.runtime.handle import Job, NullJob
-from gpuswap.runtime.objects import classify, is_plain
+from gpuswap.runtime.objects import classify, is_plain, signature
 
 _active: Job | None = None
 _attaches = 0     # attaches inside gpuswap so far in this process: each checkpoint records its attach's
+_signatures: list[str] = []    # objects.signature of each of them, in order (checkpoints keep them)
 
 
 def next_attach() -> int:
@@ -58,8 +59,9 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
     config = current_config()
     if config is None:
         return NullJob(plain)
-    global _active, _attaches
+    global _active, _attaches, _signatures
     _attaches += 1
+    _signatures = _signatures[:_attaches - 1] + [signature(items, plain)]
     who = None
     if config.control:     # under Slurm only a rank of a multi-rank job has one (runtime/slurm.py)
         from gpuswap.runtime import ranks
@@ -74,6 +76,9 @@ def attach(*args: Any, **objects: Any) -> Job | NullJob:
 
         slurm.catch_early(who)      # a signal during the restore below waits for the job
     job = _handle(items, config, who, _attaches)
+    # A restart that skipped finished phases resumed a later attach's checkpoint here: count on
+    # from that attach, as the process that wrote it did (pausing.restore_latest).
+    _attaches, _signatures = job.attach_no, list(job.attach_sigs)
     for name, value in plain.items():
         job.state.setdefault(name, value)   # a restored value wins over the one given
     job.measure()  # what `hello` reports: the reader thread must not walk the tensors itself
@@ -99,14 +104,14 @@ def _handle(items: list[Any], config: RuntimeConfig, who: Any, attach_no: int) -
         from gpuswap.runtime import ranks
 
         job: Job = ranks.RankJob(items, config, who, before_exit=before_exit)
-        job.attach_no = attach_no
+        job.attach_no, job.attach_sigs = attach_no, tuple(_signatures)
         ranks.restore_ranks(job)
         atexit.register(job.close)
         return job
     from gpuswap.runtime import pausing
 
     job = Job(items, config, serve_pause=pausing.serve, before_exit=before_exit)
-    job.attach_no = attach_no
+    job.attach_no, job.attach_sigs = attach_no, tuple(_signatures)
     if config.ckpt_dir:
         pausing.restore_latest(job)
     return job

@@ -58,7 +58,7 @@ class Job:
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
         "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit", "attach_no",
-        "checkpoint_of",
+        "checkpoint_of", "attach_sigs",
     )
     inside = True
 
@@ -77,6 +77,7 @@ class Job:
         self.restore_note: str | None = None     # newer checkpoints skipped, or a requested restart
         self.attach_no = 1                       # which attach of the process made it (1, 2, ...; attaching.py)
         self.checkpoint_of: int | None = None    # the attach whose checkpoint this one found and left alone
+        self.attach_sigs: tuple[str, ...] = ()   # objects.signature of the process's attaches up to this one
         self.config = config
         self._items = items
         self._pending = False  # the one flag safepoint reads: a pause or a measurement is asked for

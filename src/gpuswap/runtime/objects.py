@@ -5,10 +5,11 @@ that attaches torch objects has necessarily imported torch already.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 KINDS = ("module", "optimizer", "stateful", "tensor", "generator", "dict", "list")
 # Immutable values (an epoch, a seed, a name): nothing can be restored into them in place, so
@@ -183,3 +184,31 @@ def restore(items: list[Attached], saved: dict[str, dict[str, Any]]) -> list[str
     if extra:
         warnings.append(f"checkpoint state for {sorted(extra)} is not attached any more; ignored")
     return warnings
+
+
+def signature(items: list[Attached], plain: Iterable[str]) -> str:
+    """What tells one attach of a script from its others, the same in every run of the script:
+    the names and kinds of what it attaches and the shapes and dtypes of the tensors they hold
+    at attach (a module's parameters and buffers, an optimizer's parameters), never values,
+    which training changes. A checkpoint keeps those of its process's attaches, so that a restart
+    that skips a finished phase still finds the phase the checkpoint is of (pausing.restore_latest)."""
+    h = hashlib.sha256()
+    for a in sorted(items, key=lambda a: a.name):
+        h.update(repr((a.name, a.kind, _layout(a))).encode())
+    h.update(repr(sorted(plain)).encode())
+    return h.hexdigest()[:16]
+
+
+def _layout(a: Attached) -> Any:
+    obj = a.obj
+    try:
+        if a.kind == "tensor":
+            return tuple(obj.shape), str(obj.dtype)
+        if a.kind == "module":
+            return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in obj.state_dict().items()
+                         if hasattr(v, "shape"))
+        if a.kind == "optimizer":
+            return tuple(tuple((tuple(p.shape), str(p.dtype)) for p in g["params"]) for g in obj.param_groups)
+    except Exception:       # a user's module whose state_dict fails here fails the same in every run
+        pass
+    return type(obj).__qualname__

@@ -36,6 +36,7 @@ def snapshot(job: "Job", park: parking.RamPark | None) -> dict[str, Any]:
         "rng": rng.capture(),
         "job_id": job.config.job_id,
         "attach": job.attach_no,
+        "attaches": list(job.attach_sigs),
     }
 
 
@@ -161,6 +162,12 @@ def restore_latest(job: "Job") -> None:
         return
     written_by = checkpoint.attach_of(payload)
     other = checkpoint.other_attach(written_by, job.attach_no, info.seq, info.step)
+    if other is not None and skipped_to(job, payload, written_by):
+        print(f"gpuswap: attach {job.attach_no} of this process is attach {written_by} of the run that wrote "
+              f"checkpoint seq {info.seq} (step {info.step}): the phases before it were not run again; "
+              "resuming it", file=sys.stderr, flush=True)
+        job.attach_no, job.attach_sigs = written_by, tuple(payload["attaches"][:written_by])
+        other = None
     if other is not None:
         print(f"gpuswap: {other}", file=sys.stderr, flush=True)
         job.checkpoint_of = written_by
@@ -181,6 +188,20 @@ def restore_latest(job: "Job") -> None:
         print(f"gpuswap: {w}", file=sys.stderr, flush=True)
     print(f"gpuswap: restored checkpoint seq {info.seq} (step {info.step}); "
           f"resuming at step {job.start_step}", file=sys.stderr, flush=True)
+
+
+def skipped_to(job: "Job", payload: dict[str, Any], written_by: int) -> bool:
+    """Whether this attach is the checkpoint's, come earlier because the script skipped phases
+    that had finished (`if not os.path.exists(pretrained): pretrain()`): it attaches what the
+    checkpoint's attach did, and nothing else that process attached did (objects.signature).
+    Where an earlier phase attached alike, nothing tells the two apart: the phase runs again
+    (docs/runtime.md "Several attaches in one process")."""
+    sigs = payload.get("attaches")
+    if job.attach_no >= written_by or not job.attach_sigs or not isinstance(sigs, list) \
+            or len(sigs) < written_by or not all(isinstance(x, str) for x in sigs):
+        return False
+    mine = job.attach_sigs[-1]
+    return sigs[written_by - 1] == mine and mine not in sigs[:written_by - 1]
 
 
 _last_note: str | None = None
