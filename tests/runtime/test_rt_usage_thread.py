@@ -8,12 +8,15 @@ on every run measured; now the job must finish and still report its device memor
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 
 from gpuswap_rt_peer import finish, job_env, read_result
 
+from gpuswap.protocol import records
 from gpuswap.runtime import client
 
 HIDDEN, STEPS = 1500, 40
@@ -44,3 +47,40 @@ def test_usage_interval_knob_is_validated(capsys):
     for bad in ("0", "-1", "nan", "inf", "1e9", "fast", "0.0001"):
         assert client.usage_interval({"GPUSWAP_USAGE_INTERVAL_S": bad}) == client.USAGE_INTERVAL_S, bad
         assert "ignoring GPUSWAP_USAGE_INTERVAL_S" in capsys.readouterr().err
+
+
+def test_a_heartbeat_built_before_a_park_is_not_sent_after_its_paused(peer, monkeypatch):
+    """The heartbeat thread built a usage report (running, holding its memory), lost the CPU, and
+    sent it after the training thread had parked and sent `paused`: the supervisor then recorded
+    a parked job as holding device memory. A report is now built and sent under one hold of the
+    send lock, so `paused` waits for a usage already being built and goes after it. Here the
+    heartbeat is held inside its build (from a running job's state) while `paused` is sent."""
+    monkeypatch.setenv("GPUSWAP_USAGE_INTERVAL_S", "0.001")
+    parked, building, release = [False], threading.Event(), threading.Event()
+
+    def usage() -> records.Usage:
+        now = parked[0]                  # the state it reports, read first
+        if not building.is_set():
+            building.set()
+            assert release.wait(60)
+        return records.Usage(device_bytes=0 if now else 1 << 20, step=3, parked=now)
+
+    c = client.ControlClient(peer.address, lambda msg: None, lambda: records.Hello(pid=os.getpid()), usage)
+    try:
+        assert c.start(wait_s=60)
+        peer.expect("hello")
+        assert building.wait(60)         # a heartbeat built from "running" is on its way
+        parked[0] = True                 # the training thread parks, then says so
+        sender = threading.Thread(target=c.send, args=(records.Paused(tier="ram", bytes=1 << 20, step=3),))
+        sender.start()
+        # How long `paused` is given to overtake the heartbeat (it must not: it waits for the
+        # lock the build holds); the test passes whatever the scheduling, once the fix is in.
+        sender.join(0.5)
+        release.set()
+        sender.join(60)
+        peer.expect("paused")
+        after = peer.expect("usage")     # every heartbeat after `paused` says parked
+        assert after["parked"] is True and after["device_bytes"] == 0, (after, peer.log)
+    finally:
+        release.set()
+        c.close()

@@ -102,11 +102,18 @@ class ControlClient:
     def send(self, msg: records.Report) -> bool:
         """Send one message if connected. A failed send drops the connection (the reader
         reconnects); the caller goes on either way."""
-        data = records.encode(msg)
+        return self._send_built(lambda: msg)
+
+    def _send_built(self, build: Callable[[], records.Report]) -> bool:
+        """Build the message and send it under one hold of the send lock. A report built from
+        the job's state (the usage heartbeat) is then never sent after a later report of
+        another state: a usage built just before a park and sent after its `paused` told the
+        supervisor that a parked job held its device memory again."""
         with self._lock:
             sock = self._sock
             if sock is None:
                 return False
+            data = records.encode(build())
             try:
                 sock.sendall(data)
                 return True
@@ -189,10 +196,9 @@ class ControlClient:
             last_sent = time.monotonic()
             if self._connected.is_set():
                 try:
-                    msg = self._usage()
+                    self._send_built(self._usage)
                 except Exception:  # racing the training thread (e.g. optimizer state growing)
                     continue
-                self.send(msg)
 
 
 def send_once(address: str, msg: records.Report, timeout_s: float = SEND_TIMEOUT_S) -> bool:
