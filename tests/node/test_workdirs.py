@@ -3,6 +3,7 @@
 The checks here are the kernel's (launcher.cwd_problem on this machine's real directories); the Ray
 test (tests/ray/test_ray_pool.py) has a node that cannot see a directory the others can."""
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,13 +23,15 @@ class Clock:
 
 
 def _settled(checks: WorkdirChecks, nodes, cwd, uid=0, gid=0):
-    """Ask until every node has an answer (the checks run on their own threads)."""
-    for _ in range(2000):
+    """Ask until every node has an answer (the checks run on their own threads). The deadline only
+    catches answers that never come."""
+    deadline = time.monotonic() + 120
+    while True:
         got = checks.answers(nodes, cwd, uid, gid)
         if set(got) == set(nodes) and not checks._running:
             return got
+        assert time.monotonic() < deadline, f"no answers: {got}"
         threading.Event().wait(0.005)
-    raise AssertionError(f"no answers: {got}")
 
 
 def test_answers_are_made_off_the_caller_kept_and_asked_again_when_due(tmp_path: Path):
@@ -49,7 +52,10 @@ def test_answers_are_made_off_the_caller_kept_and_asked_again_when_due(tmp_path:
     assert got["a"] is None
     assert "does not exist" in got["b"]
     assert got["dead"] == "its working directory could not be checked on dead (agent did not answer)"
-    assert all(told.acquire(timeout=0) for _ in range(3))       # each new answer woke the controller
+    # Each new answer wakes the controller: its check's thread does so after it stored the answer,
+    # so a release may still be on its way when the answers are all in.
+    assert all(told.acquire(timeout=60) for _ in range(3))
+    assert not told.acquire(timeout=0)                            # and only the new ones
     n = len(calls)
     clock.now = RETRY_S + 1                    # the node that did not answer is asked again, not the others
     _settled(checks, ["a", "b", "dead"], str(tmp_path))
