@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from gpuswap_testing import Gate, train_cmd
+from gpuswap_testing import Gate
 
 
 def test_urgent_preempts_low_ram_park_and_exact_resume(daemon, home, reference_hashes):
@@ -37,7 +37,8 @@ def test_urgent_preempts_low_ram_park_and_exact_resume(daemon, home, reference_h
 
 def test_no_preempt_within_min_runtime(make_daemon, home):
     d = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "6")
-    long_id = d.submit(train_cmd(home / "l.json", 2000, 0.01), name="long", priority="low")
+    # Held at its last steps until cancelled: it is still there to preempt, however slow the machine.
+    long_id = d.submit(Gate(home / "never").train(home / "l.json", 2000, 0.01), name="long", priority="low")
     d.state(long_id, "RUNNING")
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     j = d.until(long_id, lambda j: j["state"] != "RUNNING", timeout=30)
@@ -49,7 +50,9 @@ def test_no_preempt_within_min_runtime(make_daemon, home):
 
 
 def test_no_preempt_flag_and_equal_priority_wait(daemon, home):
-    long_id = daemon.submit(train_cmd(home / "l.json", 2000, 0.01), name="long", priority="low", preemptible=False)
+    # Held until cancelled: "still RUNNING, the other still PENDING" cannot be its having ended.
+    long_id = daemon.submit(Gate(home / "never").train(home / "l.json", 2000, 0.01), name="long", priority="low",
+                            preemptible=False)
     daemon.state(long_id, "RUNNING")
     normal = daemon.submit(["true"], name="other", priority="urgent")
     time.sleep(3)

@@ -35,8 +35,10 @@ def preempted(make_daemon, home):
     until the test opens the returned gate (then it finishes and the long job resumes)."""
     web = start_web(make_daemon, "1x80GiB")
     d = web.daemon
-    long_id = d.submit(train_cmd(home / "long.json", 3000, 0.02), name="long", priority="low", mem="20GiB",
-                       time_limit_s=7200)
+    # Held at its last steps until cancelled: it must not complete while a test restarts the daemon
+    # and counts the finished jobs (a restart alone took 30 s at load 17).
+    long_id = d.submit(Gate(home / "never").train(home / "long.json", 3000, 0.02), name="long", priority="low",
+                       mem="20GiB", time_limit_s=7200)
     d.until(long_id, lambda j: j["state"] == "RUNNING" and (j["step"] or 0) >= 5)
     gate = Gate(home / "urgent.go")
     urgent = d.submit(gate.hold(), name="urgent", priority="urgent")
