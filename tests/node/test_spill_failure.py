@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gpuswap_testing import train_cmd
+from gpuswap_testing import Gate
 
 
 @pytest.fixture
@@ -33,7 +33,8 @@ def full_ckpt_dir(home):
 def test_a_failed_spill_keeps_a_user_paused_job_parked_until_resume(daemon, home, full_ckpt_dir,
                                                                     reference_hashes):
     steps, hidden = 120, 256          # ~0.3 MB of parameters and AdamW state: far over 4 KiB
-    job = daemon.submit(train_cmd(home / "s.json", steps, 0.03, hidden), name="s")
+    gate = Gate(home / "s.go")        # it cannot finish (3.6 s of steps) before the test's slow CLI calls
+    job = daemon.submit(gate.train(home / "s.json", steps, 0.03, hidden), name="s")
     daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"])
     assert daemon.cli("pause", str(job), "--to", "ram").returncode == 0
     daemon.until(job, lambda j: j["state"] == "PAUSED" and j["parked"] == "ram")
@@ -49,5 +50,6 @@ def test_a_failed_spill_keeps_a_user_paused_job_parked_until_resume(daemon, home
     assert not any(e["state"] in ("RESUMING", "RUNNING") for e in j["events"][-3:]), j["events"]
     # It waits for the user's resume, then ends exactly as an uninterrupted run.
     assert daemon.cli("resume", str(job)).returncode == 0
+    gate.open()
     daemon.state(job, "COMPLETED", timeout=120)
     assert json.loads((home / "s.json").read_text())["sha256"] == reference_hashes(steps, hidden)
