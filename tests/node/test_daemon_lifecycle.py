@@ -99,7 +99,7 @@ def test_one_daemon_per_home(daemon):
     import subprocess
 
     r = subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "server", "--simulate-gpus", "1"],
-                       env=daemon.env, capture_output=True, text=True, timeout=30)
+                       env=daemon.env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and "already serves" in r.stderr
     assert daemon.client.get("/v1/health")["ok"]
 
@@ -182,7 +182,7 @@ def test_server_refuses_bad_options_at_start(tmp_path, args, says):
     env = dict(os.environ, GPUSWAP_HOME=str(home))
     base = [] if "--simulate-gpus" in args else ["--simulate-gpus", "1"]
     r = subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "server", *base, *args], env=env,
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True, text=True, timeout=180)
     assert r.returncode == 64, (r.returncode, r.stderr)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and says in r.stderr, r.stderr
     assert not home.exists()
@@ -191,7 +191,7 @@ def test_server_refuses_bad_options_at_start(tmp_path, args, says):
 def test_unusable_home_is_one_line_and_exit_1():
     env = dict(os.environ, GPUSWAP_HOME="/proc/forbidden")
     r = subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "server", "--simulate-gpus", "1"], env=env,
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "/proc/forbidden" in r.stderr and "state directory" in r.stderr
 

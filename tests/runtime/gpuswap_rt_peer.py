@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuswap.protocol import channel
+from gpuswap_testing import FACT_TIMEOUT_S
 
 DEMO_STEPS = 150  # steps of every demo run in these tests (one shared baseline)
 HELD_TRAIN = Path(__file__).resolve().parents[1] / "held_train.py"
@@ -60,10 +61,10 @@ class SupervisorPeer:
 
     def send(self, msg: dict[str, Any]) -> None:
         with self._connected:
-            assert self._connected.wait_for(lambda: self._conn is not None, timeout=30)
+            assert self._connected.wait_for(lambda: self._conn is not None, timeout=FACT_TIMEOUT_S)
             self._conn.sendall(channel.encode(msg))
 
-    def expect(self, op: str, timeout: float = 60.0) -> dict[str, Any]:
+    def expect(self, op: str, timeout: float = FACT_TIMEOUT_S) -> dict[str, Any]:
         """Next message with this op; 'usage' messages in between are skipped, others fail."""
         deadline = time.monotonic() + timeout
         while True:
@@ -114,7 +115,7 @@ def start_train(out: Path, steps: int, step_time: float, env: dict[str, str] | N
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen, timeout: float = FACT_TIMEOUT_S) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 

@@ -145,7 +145,7 @@ class SlurmCluster:
     # -- client commands -------------------------------------------------------------------
     def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
         res = subprocess.run(["sbatch", "--parsable", *args], env=env or self.env, cwd=cwd,
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"sbatch failed: {res.stderr}")
         return res.stdout.strip().split(";")[0]
@@ -153,7 +153,7 @@ class SlurmCluster:
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
         res = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env,
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=120)
         fields: dict[str, str] = {}
         for word in res.stdout.split():
             k, _, v = word.partition("=")

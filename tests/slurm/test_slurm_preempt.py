@@ -115,11 +115,11 @@ def test_scancel_is_not_turned_into_a_requeue(slurm, tmp_path: Path) -> None:
                        cwd=tmp_path, env=_train_env({}, slurm.env))
     _wait_output(log, f"step 30/{STEPS}", timeout=120)
     subprocess.run(["scancel", job], env=slurm.env, check=True)
-    text = _wait_output(log, "not requeueing it", timeout=30)
+    text = _wait_output(log, "not requeueing it", timeout=180)
     # Until the job has ended on the node Slurm shows it COMPLETING (not CANCELLED): while any
     # process of it is alive to call `scontrol requeue`, and until the batch script's exit is
     # recorded (75, which RequeueExit=75 would requeue: the requeue happens right there). So once
     # it is CANCELLED with that exit recorded, a wrong requeue would already show (PENDING, a restart).
-    info = slurm.wait_state(job, ("CANCELLED",), timeout=30)
+    info = slurm.wait_state(job, ("CANCELLED",), timeout=180)
     assert info["ExitCode"] == "75:0" and info["Restarts"] == "0", (info, text)
     assert "got SIGTERM from Slurm" in text

@@ -75,7 +75,7 @@ def test_signal_checkpoints_at_safepoint_and_exits_75(tmp_path: Path, wrap: bool
 def test_slurm_wrap_exit_codes(tmp_path: Path) -> None:
     def wrap(*args: str) -> int:
         return subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "slurm-wrap", *args],
-                              capture_output=True, timeout=60).returncode
+                              capture_output=True, timeout=180).returncode
 
     assert wrap("--", "sh", "-c", "exit 3") == 3
     assert wrap("--", "sh", "-c", "kill -KILL $$") == 128 + signal.SIGKILL  # like bash: 137
@@ -123,7 +123,7 @@ def test_a_second_attach_takes_back_replaced_signal_handlers(tmp_path: Path) -> 
     env.update(SLURM_JOB_ID="8", SLURM_SUBMIT_DIR=str(tmp_path), GPUSWAP_SLURM_REQUEUE="exit",
                PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, "-c", REATTACH], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=180)
     assert p.returncode == REQUEUE_EXIT_CODE, (p.returncode, p.stderr)
     assert p.stderr.count("got SIGUSR2 from Slurm") == 1
     manifests = sorted((tmp_path / ".gpuswap" / "ckpt" / "8").glob("ckpt-*.json"))
@@ -155,13 +155,13 @@ def test_a_bad_signal_list_is_ignored_with_one_line_not_a_traceback(tmp_path: Pa
                GPUSWAP_SLURM_SIGNALS=value,
                PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, "-c", SELF_SIGNAL], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=180)
     assert "Traceback" not in p.stderr, p.stderr
     assert p.returncode == REQUEUE_EXIT_CODE, (p.returncode, p.stderr)
     assert "gpuswap: ignoring GPUSWAP_SLURM_SIGNALS: " in p.stderr and "using USR2,TERM" in p.stderr
     assert len(list((tmp_path / ".gpuswap" / "ckpt" / "12").glob("ckpt-*.json"))) == 1
     assert subprocess.run([sys.executable, "-m", "gpuswap.cli.main", "slurm-wrap", "--signals", value, "--",
-                           "true"], env=env, capture_output=True, timeout=60).returncode == 64
+                           "true"], env=env, capture_output=True, timeout=180).returncode == 64
 
 
 SHAPED = """
@@ -206,7 +206,7 @@ def test_a_checkpoint_that_does_not_fit_the_objects_ends_the_job_with_one_line(t
 
     def run(shape: str, out: int, restarts: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", SHAPED, shape, str(out)], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
+                              text=True, timeout=180, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
 
     first = run("4", 2, 0)
     assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
@@ -234,7 +234,7 @@ def test_a_job_given_another_jobs_checkpoint_directory_does_not_resume_its_state
 
     def run(job: str, restarts: int, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", SHAPED, "4", "2"], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env=dict(env, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=str(restarts), **extra))
+                              timeout=180, env=dict(env, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=str(restarts), **extra))
 
     first = run("101", 0)
     assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
@@ -263,7 +263,7 @@ def test_a_signal_while_the_checkpoint_is_restored_checkpoints_at_the_first_safe
 
     def run(mode: str, restarts: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", SHAPED, "4", "2", mode], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
+                              text=True, timeout=180, env=dict(env, SLURM_RESTART_COUNT=str(restarts)))
 
     first = run("", 0)
     assert first.returncode == REQUEUE_EXIT_CODE, first.stderr
