@@ -8,6 +8,8 @@ import time
 
 import httpx
 
+from gpuswap_testing import Gate
+
 # The documented limits (docs/limits.md), stated here so the test checks the contract.
 MAX_ARGV_BYTES = MAX_ENV_BYTES = 256 * 1024
 MAX_ENV_VARS = 4096
@@ -101,9 +103,13 @@ def test_finished_jobs_are_forgotten_after_retention_and_live_ones_never(make_da
     daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1", "--retention", "3s")
     live = daemon.submit(["sleep", "600"])
     daemon.state(live, "RUNNING")
-    done = daemon.submit(["sh", "-c", "echo output"])
-    daemon.state(done, "COMPLETED")
-    assert (daemon.home / "jobs" / str(done) / "output.log").exists()
+    # It ends once the test has seen its files: ended, it is forgotten 3 s after its end, which can
+    # come before a loaded machine's test has looked at it (a 404 instead of COMPLETED).
+    gate = Gate(daemon.home / "done.go")
+    done = daemon.submit(gate.hold(then="print('output')"))
+    daemon.state(done, "RUNNING")
+    daemon.until(done, lambda _: (daemon.home / "jobs" / str(done) / "output.log").exists())
+    gate.open()
     deadline = time.monotonic() + 120
     while raw(daemon).get(f"/v1/jobs/{done}").status_code != 404:   # the sweep runs every second
         assert time.monotonic() < deadline, "the finished job was never forgotten"
