@@ -294,7 +294,7 @@ def test_simulated_device_ignores_forged_planted_and_stale_registrations(tmp_pat
     os.mkfifo(dev.procs / f"{os.getpid()}.json")                       # would block a plain open()
     assert dev.registrations() == []
     os.unlink(dev.procs / f"{os.getpid()}.json")
-    other = subprocess.Popen(["sleep", "60"], user=65534)
+    other = subprocess.Popen(["sleep", "600"], user=65534)
     try:
         (dev.procs / f"{other.pid}.json").write_text(json.dumps(          # root's file, nobody's process
             {"pid": other.pid, "start": start_ticks(other.pid), "gpu": 0, "nbytes": 1}))

@@ -82,7 +82,7 @@ class FakeGpus(GpuInventory):
 
 @pytest.fixture
 def world(tmp_path: Path):
-    proc = subprocess.Popen(["sleep", "60"])
+    proc = subprocess.Popen(["sleep", "600"])
     store = Store(tmp_path / "state.db")
     [job_id] = store.add_jobs([NewJob("t", "u", 0, 0, ["sleep"], "/", {}, 0, 1, 4 * 2**30,
                                       pause_mode="transparent")], time.time())
@@ -185,7 +185,7 @@ def test_several_cuda_processes_are_refused_without_touching_the_driver(world):
     job's ranks would): NVML lists two processes, so the freeze is refused before any driver call
     (cuda-checkpoint does not checkpoint the CUDA IPC memory NCCL ranks share)."""
     store, job_id, pid, gpus, driver, freezer = world
-    tree = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60' & sleep 60; wait"])
+    tree = subprocess.Popen(["sh", "-c", "sh -c 'sleep 600' & sleep 600; wait"])
     import psutil
     deadline = time.monotonic() + 180     # both exist (sh forks them when it gets the CPU)
     while len(kids := [p.pid for p in psutil.Process(tree.pid).children(recursive=True) if p.name() == "sleep"]) < 2:
@@ -198,6 +198,7 @@ def test_several_cuda_processes_are_refused_without_touching_the_driver(world):
     finally:
         tree.kill()
         subprocess.run(["pkill", "-P", str(tree.pid)])
+        subprocess.run(["kill", "-9", *map(str, kids)], capture_output=True)   # the grandchild too
     assert driver.calls == []
     assert job.transparent_refused == NCCL_TRANSPARENT_REFUSAL and job.parked is None
     assert tiers_for(job, True) == frozenset()          # submitted --pause-mode transparent: nothing else parks it
