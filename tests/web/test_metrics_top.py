@@ -186,7 +186,7 @@ def test_top_live_in_tmux_refreshes_and_quits_on_q(web):
 
 
 
-def _pane_shows(session: str, want, timeout: float = 60) -> str:
+def _pane_shows(session: str, want, timeout: float = FACT_TIMEOUT_S) -> str:
     """The tmux pane's text once `want(text)` holds (fails after `timeout`)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -241,7 +241,7 @@ def test_top_live_survives_a_daemon_restart(daemon):
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
-def _file_becomes(path, content: str, timeout: float = 60) -> None:
+def _file_becomes(path, content: str, timeout: float = FACT_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not (path.exists() and path.read_text() == content):
         assert time.monotonic() < deadline, (path, path.read_text() if path.exists() else "missing")
