@@ -176,7 +176,9 @@ def test_demo_says_in_one_line_when_its_story_did_not_happen():
 @pytest.mark.timeout(900)   # the whole demo: a reference run, a daemon, two jobs (minutes on a loaded machine)
 def test_demo_uses_gpuswap_home_and_reports_the_urgent_jobs_own_time(home):
     base = home / "chosen"     # short: the daemon's Unix socket path is limited to 108 bytes
-    r = gpuswap("demo", "--steps", "200", "--keep", env=dict(os.environ, GPUSWAP_HOME=str(base)), timeout=600)
+    # The demo's own length (400 steps, 12 s): the long job outlasts its 5 s of protection by 7 s, in
+    # which the park must land (200 left 1 s: a loaded machine could see the job end unparked).
+    r = gpuswap("demo", "--keep", env=dict(os.environ, GPUSWAP_HOME=str(base)), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     [home] = list(base.glob("gpuswap-demo-*"))               # its state went where the user asked
     assert (home / "state.db").exists() and str(home) in r.stdout
