@@ -668,12 +668,18 @@ def _start_node_without(base: Path, cluster: Cluster, name: str, hidden: Path) -
            str(ray_cli), "start", "--block", "--address", cluster.address, "--num-cpus", "1",
            "--object-store-memory", str(args["object_store_memory"]), "--resources", json.dumps(args["resources"]),
            "--disable-usage-stats"]
-    return subprocess.Popen(cmd, env={**os.environ, **args["env_vars"]}, start_new_session=True,
+    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM, Ray (2.60) first drains the node for up
+    # to 30 s, until no worker holds a lease; the node's gpuswap agent holds one for good, so every
+    # stop waited the whole 30 s. Without the drain the node's processes are stopped at once, as
+    # `Cluster.remove_node` stops the other tests' nodes.
+    env = {**os.environ, **args["env_vars"], "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    return subprocess.Popen(cmd, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _stop_node(proc: Any) -> None:
-    """`ray start --block` stops its node's processes on SIGTERM; whatever is left is killed."""
+    """`ray start --block` stops its node's processes on SIGTERM (at once: no drain, above);
+    whatever is left is killed."""
     proc.terminate()
     try:
         proc.wait(FACT_TIMEOUT_S)
