@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,33 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             str(JOB), *args]
 
 
+_STARTED: dict[Path, tuple[tuple[Any, ...], Future]] = {}
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mr-reference")
+
+
+def start_reference(out: Path, nproc: int, steps: int, modes: str = "ddp", *extra: str) -> None:
+    """Start `reference(out, ...)` now, on a thread, while the test drives its job (it shares
+    nothing with it: its own directory, no daemon); `reference` with the same arguments later
+    waits for it instead of starting another. Its torchrun (nproc + 1 processes importing torch)
+    took 8-12 s of a test's wall time after the job had ended. Started once the job has attached,
+    not beside its start-up (the attach grace), and only in tests whose pause timeout is the
+    default 60 s: it adds CPU load while the test pauses and resumes the job."""
+    assert out not in _STARTED, out
+    _STARTED[out] = ((nproc, steps, modes, extra), _POOL.submit(_reference, out, nproc, steps, modes, *extra))
+
+
 def reference(out: Path, nproc: int, steps: int, modes: str = "ddp", *extra: str) -> None:
-    """The same training under plain torchrun, outside gpuswap (the two lines are no-ops there)."""
+    """The same training under plain torchrun, outside gpuswap (the two lines are no-ops there);
+    the run `start_reference` started for `out`, if any, once it has ended."""
+    started = _STARTED.pop(out, None)
+    if started is None:
+        return _reference(out, nproc, steps, modes, *extra)
+    args, run = started
+    assert args == (nproc, steps, modes, extra), (args, (nproc, steps, modes, extra))
+    return run.result()
+
+
+def _reference(out: Path, nproc: int, steps: int, modes: str = "ddp", *extra: str) -> None:
     env = reference_env(simulated=True)
     env["PYTHONPATH"] = f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     res = subprocess.run(torchrun(nproc, "--steps", str(steps), "--out", str(out), "--modes", modes, *extra), env=env,

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from mr_testing import assert_bitwise, load, reference, torchrun
+from mr_testing import assert_bitwise, load, reference, start_reference, torchrun
 from gpuswap_testing import Gate
 
 pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
@@ -30,6 +30,7 @@ def test_ranks_parked_in_ram_twice_end_bitwise_equal(make_daemon, home, nproc, m
     job = d.submit(torchrun(nproc, "--steps", str(STEPS), "--out", str(out), "--modes", modes,
                             "--gate", str(gate.path), "--hold-at", str(HOLD_AT), *extra), name="mr", gpus=nproc)
     d.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and len(j["ranks"]) == nproc)
+    start_reference(ref, nproc, STEPS, modes, *extra)      # meanwhile (mr_testing.start_reference)
     parked = []
     for n in (1, 2):
         assert d.cli("pause", str(job), "--to", "ram").returncode == 0
