@@ -226,6 +226,7 @@ def serve(home: Path, opts: ServerSettings, frontend: Frontend) -> None:
         if dcgm:
             dcgm.stop()
         stop.set()
+        controller.wake()       # out of its wait between ticks now, not up to a tick later
         if ray_pool is not None:
             ray_pool[0].stop()
         loop_thread.join(timeout=5)
