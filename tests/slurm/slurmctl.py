@@ -117,18 +117,25 @@ class SlurmCluster:
 
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
-        for pidfile in (self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.munge_dir / "pid"):
-            try:
-                pid = int(pidfile.read_text().strip())
-                os.kill(pid, signal.SIGTERM)
-            except (OSError, ValueError):
-                continue
-            for _ in range(50):
+        # Each daemon takes ~2 s to stop on SIGTERM: slurmd and slurmctld stop side by side, then
+        # munged, which both may still use while they stop.
+        for group in ((self.dir / "slurmd.pid", self.dir / "slurmctld.pid"), (self.munge_dir / "pid",)):
+            pids = []
+            for pidfile in group:
                 try:
-                    os.kill(pid, 0)
-                except OSError:
-                    break
-                time.sleep(0.1)
+                    pid = int(pidfile.read_text().strip())
+                    os.kill(pid, signal.SIGTERM)
+                except (OSError, ValueError):
+                    continue
+                pids.append(pid)
+            for pid in pids:
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    try:
+                        os.kill(pid, 0)
+                    except OSError:
+                        break
+                    time.sleep(0.05)
 
     def _run(self, cmd: list[str]) -> None:
         res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
