@@ -693,22 +693,25 @@ def _stop_node(proc: Any) -> None:
 
 
 def test_a_job_goes_only_to_nodes_where_its_working_directory_can_be_entered(head, base, cluster):
-    proj = base / "scratch" / "proj"              # a lab's local scratch: node-h has none of it
+    proj = base / "scratch" / "proj"              # a lab's local scratch: node-w has none of it
     proj.mkdir(parents=True)
     gates = {n: Gate(head.home / f"workdir-{n}.go") for n in NODES}
     held = {n: head.submit(g.hold(), name=f"workdir-{n}", preemptible=False) for n, g in gates.items()}
     on = sorted(head.state(j, "RUNNING")["node"] for j in held.values())
     assert on == list(NODES)
-    node_h = _start_node_without(base, cluster, "node-h", proj.parent)
+    # node-w: a name no other test gives a node. Stopped without Ray's drain (_start_node_without), a
+    # node's name taken again by a node that joins seconds later could find the pool still holding
+    # the old node's agent (pinned to the dead node): the newcomer was taken for lost.
+    node_w = _start_node_without(base, cluster, "node-w", proj.parent)
     try:
-        head.until(0, lambda g: "node-h" in [x["node"] for x in g["gpus"]], get="/v1/gpus")
+        head.until(0, lambda g: "node-w" in [x["node"] for x in g["gpus"]], get="/v1/gpus")
         job = head.submit([sys.executable, "-c", "import os; print('ran in', os.getcwd())"], name="workdir",
                           priority="low", cwd=str(proj))
-        # node-h's GPU is free, but its kernel says the directory is not there: the job waits, and says so.
-        waiting = head.until(job, lambda j: "not on node-h" in j["pending_reason_text"])
+        # node-w's GPU is free, but its kernel says the directory is not there: the job waits, and says so.
+        waiting = head.until(job, lambda j: "not on node-w" in j["pending_reason_text"])
         assert waiting["state"] == "PENDING", waiting
         assert f"working directory '{proj}' does not exist" in waiting["pending_reason_text"], waiting
-        assert [g["jobs"] for g in head.client.get("/v1/gpus")["gpus"] if g["node"] == "node-h"] == [[]]
+        assert [g["jobs"] for g in head.client.get("/v1/gpus")["gpus"] if g["node"] == "node-w"] == [[]]
         holder = next(n for n in NODES if head.job(held[n])["node"] == n)
         gates[holder].open()                      # a node that can enter it frees its GPU: it runs there
         assert head.cli("wait", str(job)).returncode == 0
@@ -718,8 +721,8 @@ def test_a_job_goes_only_to_nodes_where_its_working_directory_can_be_entered(hea
     finally:
         for g in gates.values():
             g.open()
-        _stop_node(node_h)
-    head.until(0, lambda g: "node-h" not in [x["node"] for x in g["gpus"]], get="/v1/gpus")
+        _stop_node(node_w)
+    head.until(0, lambda g: "node-w" not in [x["node"] for x in g["gpus"]], get="/v1/gpus")
     for j in held.values():
         assert head.cli("wait", str(j)).returncode == 0
 
