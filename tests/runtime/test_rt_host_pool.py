@@ -4,6 +4,7 @@ memory when pinning fails. `RecordingPinner` stands in for CUDA's cudaHostRegist
 here); the GPU tests (test_rt_park_gpu.py) run the real one."""
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -39,6 +40,33 @@ class RecordingPinner:
             self.threads.add(threading.get_ident())
             assert ptr in self.pinned and ptr not in self.unpinned
             self.unpinned.append(ptr)
+
+
+class ResidencyPinner(RecordingPinner):
+    """Also records, at each pin, how many of the range's pages were not yet in memory (mincore):
+    the real cudaHostRegister faults such pages in itself, one thread at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missing: list[int] = []
+        self.libc = ctypes.CDLL(None, use_errno=True)
+
+    def pin(self, ptr, nbytes, device):
+        pages = -(-nbytes // pinned.PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        assert self.libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+        with self.lock:
+            self.missing.append(sum(1 for v in vec if not v & 1))
+        return super().pin(ptr, nbytes, device)
+
+
+def test_new_slabs_are_faulted_in_before_they_are_pinned():
+    pinner = ResidencyPinner()
+    pool = pinned.HostPool(pinner, keep_s=3600, slab_bytes=4 * MiB)
+    lease = pool.take([5 * MiB, 3 * MiB, 3 * MiB])
+    assert len(dict(lease.buffers())) == 3 and len(pinner.missing) == 3
+    assert pinner.missing == [0, 0, 0]
+    pool.give_back(lease)
 
 
 def _ptrs(lease):

@@ -86,7 +86,8 @@ def _checks(report: Report, console: Console) -> None:
     for g in report.gpus:
         for where, c in g.all_checks():
             verdict = ("n/a", "yellow") if c.ok is None else ("PASS", "green") if c.ok else ("FAIL", "bold red")
-            value = c.value + (f" — {c.note}" if c.note else "")
+            # a note says why n/a, or what a failure likely means: never shown beside a PASS
+            value = c.value + (f" — {c.note}" if c.note and c.ok is not True else "")
             t.add_row(plain(f"{'sim ' if g.simulated else ''}{g.index}"), plain(where), plain(c.name), plain(value),
                       plain(c.limit), plain(*verdict))
     console.print(t)
