@@ -127,6 +127,34 @@ def test_lock_timeout_is_reported_as_a_timeout_and_the_job_runs_on(daemon, home)
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 
 
+def test_a_process_its_user_stopped_is_not_frozen_and_the_daemon_goes_on(make_daemon, home):
+    """The real driver answers nothing about a SIGSTOPped process (an H100, driver 580.159.04: no
+    answer in 15 s, at once after SIGCONT), and the simulated one blocks the same way. A user may
+    stop their own job's CUDA process: a pause of it is refused with the reason, and the daemon's
+    control loop is never held up by it (another job starts and ends meanwhile)."""
+    daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
+    gate, other_gate = Gate(home / "go"), Gate(home / "other-go")
+    cmd, ready = fake(home, GiB, gate)
+    job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], priority="low")
+    wait_file(daemon, job, ready)
+    [own] = daemon.job(job)["assigned_gpus"]
+    [proc] = daemon.client.get("/v1/gpus")["gpus"][own]["processes"]
+    os.kill(proc["pid"], signal.SIGSTOP)
+    try:
+        assert daemon.cli("pause", str(job)).returncode == 0
+        j = daemon.until(job, lambda j: "cannot freeze" in j["reason"])
+        assert j["state"] == "RUNNING" and "stopped by a signal" in j["reason"], j["reason"]
+        assert daemon.client.get("/v1/gpus")["gpus"][own]["processes"][0]["used_bytes"] == GiB + CTX  # never locked
+        other = daemon.submit(other_gate.hold(), name="other", priority="low")
+        daemon.state(other, "RUNNING")
+        other_gate.open()
+        assert daemon.cli("wait", str(other)).returncode == 0
+    finally:
+        os.kill(proc["pid"], signal.SIGCONT)
+    gate.open()
+    assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
 def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make_daemon, home):
     """Two driver-frozen jobs under a 6 GiB host-RAM budget, each declared at 4 GiB but holding 2 GiB
     and its 0.5 GiB CUDA context (NVML's measure before the lock). The budget counts what each park

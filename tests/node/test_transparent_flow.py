@@ -175,7 +175,10 @@ def test_checkpoint_failure_unlocks_and_keeps_running(world):
     store, job_id, pid, gpus, driver, freezer = world
     driver.fail["checkpoint"] = "CUDA_ERROR_NOT_SUPPORTED"
     job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
-    assert [c[0] for c in driver.calls] == ["lock", "checkpoint", "unlock"]
+    deadline = time.monotonic() + 60        # the undo runs off the control loop (StateQueries.undo)
+    while driver.state(pid) != "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c[0] for c in driver.calls if c[0] != "state"] == ["lock", "checkpoint", "unlock"]
     assert driver.state(pid) == "running"
     assert "CUDA_ERROR_NOT_SUPPORTED" in job.transparent_refused
 
@@ -290,3 +293,29 @@ def test_migration_map_is_a_permutation_of_every_gpu():
         perm = gpu_permutation([0, 1, 2, 3], home, assigned)
         assert sorted(perm) == sorted(perm.values()) == [0, 1, 2, 3], perm
         assert all(perm[h] == a for h, a in zip(home, assigned))
+
+
+def test_state_queries_never_hold_the_loop_on_a_call_that_does_not_answer():
+    """A process stopped between StateQueries' look at /proc and the driver call: the real driver
+    answers nothing until it is continued. The loop gets Unanswered, no second call is made for
+    that pid meanwhile, and the answer is taken once it comes."""
+    import threading
+
+    from gpuswap.node.transparent import StateQueries, Unanswered
+
+    answer, asked = threading.Event(), []
+
+    class Silent:
+        def state(self, pid):
+            asked.append(pid)
+            answer.wait()
+            return "running"
+
+    q = StateQueries(Silent(), workers=2, answer_s=0.05)   # type: ignore[arg-type]
+    for _ in range(3):
+        with pytest.raises(Unanswered, match="no answer about process 4242"):
+            q.state(4242)
+    assert asked == [4242]                          # one call in flight, not one per tick
+    answer.set()
+    assert q.state(4242) == "running"
+    assert q.state(4242) == "running" and asked == [4242, 4242]

@@ -30,8 +30,9 @@ from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Observation
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import Sample, Transition
-from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StepRunner, gpu_permutation, job_cuda_processes,
-                                      next_freeze_step, next_thaw_step, room_for)
+from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StateQueries, StepRunner, Unanswered,
+                                      gpu_permutation, job_cuda_processes, next_freeze_step, next_thaw_step,
+                                      room_for)
 from gpuswap.policy.capability import (NCCL_TRANSPARENT_REFUSAL, Parkability, RuntimeKind, parkability,
                                        transparent_allowed)
 from gpuswap.protocol import rundir
@@ -95,6 +96,7 @@ class Freezer:
         self.driver, self.gpus = driver, gpus
         self.run_dir = run_dir
         self.runner = StepRunner(driver)
+        self.queries = StateQueries(driver)    # the loop's own questions, bounded (a stopped process never answers)
         self._timings: dict[int, dict[str, float]] = {}
 
     @property
@@ -165,8 +167,8 @@ class Freezer:
         if len(rec.alive()) != len(pids):
             return self._refuse(job, now, "a CUDA process of the job exited during the freeze", rec)
         try:
-            states = [self.driver.state(p) for p in pids]
-        except CheckpointError as e:
+            states = [self.queries.state(p) for p in pids]
+        except CheckpointError as e:         # Unanswered too: a process its user stopped is not frozen
             return self._refuse(job, now, e, rec)
         step = next_freeze_step(states)
         if step == "lock":
@@ -197,16 +199,10 @@ class Freezer:
     def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord]) -> Transition:
         """Give up on freezing this job: put back what was taken (restore, unlock), keep it running, say why."""
         why = f"lock timed out after {LOCK_TIMEOUT_MS / 1000:.0f} s" if getattr(error, "timed_out", False) else str(error)
-        for cuda_pid in rec.alive() if rec is not None else []:
-            try:
-                state = self.driver.state(cuda_pid)
-                if state == CHECKPOINTED:
-                    self.driver.restore(cuda_pid, None)
-                    state = LOCKED
-                if state == LOCKED:
-                    self.driver.unlock(cuda_pid)
-            except CheckpointError:
-                pass
+        if rec is not None and rec.alive():
+            # Off the loop: a restore takes seconds, and a process stopped by a signal is not
+            # answered for until it is continued (which the supervisor does, stopped=False below).
+            self.queries.undo(rec.alive())
         self._forget(job)
         self._timings.pop(job.id, None)
         return Transition(now, dict(state=JobState.RUNNING, stopped=False, hold=False, transparent_refused=why,
@@ -223,14 +219,23 @@ class Freezer:
             return None
         if job.stopped or obs.stopped:     # SIGCONT first: the driver is never asked about a stopped process
             return Transition(now, dict(stopped=False)) if job.stopped else None
-        rec = FreezeRecord.load(self._path(job)) or self._rediscover(pid, job)
+        try:
+            rec = FreezeRecord.load(self._path(job)) or self._rediscover(pid, job)
+        except Unanswered as e:
+            if not job.reason.startswith("waiting to restore"):
+                return Transition(now, event=NewEvent(K.RESTORE_DEFERRED, f"waiting to restore: {e.code}"))
+            return None
         if rec is None:
             return self._abort(job, now, "thaw failed: no CUDA process of the job is known to the driver")
         pids = rec.pids
         if len(rec.alive()) != len(pids):
             return self._abort(job, now, "thaw failed: a CUDA process of the job exited while it was frozen")
         try:
-            states = [self.driver.state(p) for p in pids]
+            states = [self.queries.state(p) for p in pids]
+        except Unanswered as e:             # stopped by its user since our SIGCONT: wait, say why
+            if not job.reason.startswith("waiting to restore"):
+                return Transition(now, event=NewEvent(K.RESTORE_DEFERRED, f"waiting to restore: {e.code}"))
+            return None
         except CheckpointError as e:
             return self._abort(job, now, f"thaw failed ({e})")
         step = next_thaw_step(states)
@@ -273,8 +278,10 @@ class Freezer:
         found = []
         for p in tree:
             try:
-                self.driver.state(p)
+                self.queries.state(p)
                 found.append(p)
+            except Unanswered:
+                raise                 # a stopped process of the tree may be the CUDA one: wait
             except CheckpointError:
                 continue
         if not found:

@@ -5,14 +5,16 @@ registry (so a daemon restart finds the process where the driver left it, as wit
 driver, whose state lives in the process). Every rule below is what the real driver does as far
 as its documentation and issue tracker show; docs/transparent.md gives each one's source.
 
-- Only a CUDA process has checkpoint state: every call on another pid (the launcher's shell, a
-  process that exited) fails with CUDA_ERROR_INVALID_VALUE (documented return of every call;
-  the exact code for a non-CUDA pid is not documented: the most likely one).
+- Only a CUDA process has checkpoint state: every call on another pid fails, with
+  CUDA_ERROR_NOT_INITIALIZED for a live process (the launcher's shell) and
+  CUDA_ERROR_OPERATING_SYSTEM for one that has exited (measured on an H100, below).
 - lock: RUNNING -> LOCKED, after in-flight work finishes; a process with a kernel that does not
   finish (`busy`, until it registers again without it) makes it wait up to `timeout_ms` and
   return CUDA_ERROR_NOT_READY, leaving it RUNNING (NOT_READY is lock's only extra documented
   return; "left in the RUNNING state"). `timeout_ms` 0 waits as long as the work runs
-  (CUcheckpointLockArgs: "0 indicates no timeout").
+  (CUcheckpointLockArgs: "0 indicates no timeout"). Stricter than seen on an H100: a lock with
+  a 300 ms timeout, asked while a ~2 s kernel ran, locked in 0.11 s; when the real driver
+  answers NOT_READY is not established, so the daemon's handling of it stays tested here.
 - lock keeps every byte on the device, its context included: a locked process is still listed.
 - checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device, its CUDA context's
   included ("all underlying references will be released", cuCheckpointProcessCheckpoint;
@@ -48,16 +50,21 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   most LOCK_WAIT_S and then fails the call with SIMULATED_DEVICE_BUSY (the daemon never hangs on
   a job that stops while holding it; a well-behaved process holds it for one file write).
 - unlock: LOCKED -> RUNNING. A call in the wrong state: CUDA_ERROR_ILLEGAL_STATE (documented).
-- A call on a SIGSTOPped process is refused (SIMULATED_STOPPED_PROCESS): the real calls talk to
-  the process's own restore thread (CRIU's cuda plugin resumes that thread around each call), so
-  on a stopped process they would most likely block. Unverified on real hardware; the daemon
-  never makes such a call.
+- A call on a SIGSTOPped process blocks until the process is continued (or gone), as the real
+  calls do: measured on an H100 (driver 580.159.04, 2026-11-26), cuCheckpointProcessGetState and
+  cuCheckpointProcessLock on a stopped process gave no answer in 15 s and answered at once after
+  SIGCONT. The daemon asks about no stopped process and waits for no answer for long
+  (node/transparent.py's StateQueries).
+- A call on a pid with no CUDA state: CUDA_ERROR_NOT_INITIALIZED for a live process,
+  CUDA_ERROR_OPERATING_SYSTEM for one that has exited (both measured there).
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from typing import Iterator, Optional
+
+import psutil
 
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, NO_MIGRATION, RUNNING, Capability, CheckpointDriver, \
     CheckpointError, criu_verdict
@@ -106,10 +113,15 @@ class SimulatedCheckpointDriver(CheckpointDriver):
     def _proc(self, call: str, pid: int) -> tuple[Registration, dict]:
         reg = self.device.registration(pid)
         if reg is None:
-            raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
-        if stopped(pid):
-            raise CheckpointError(call, "SIMULATED_STOPPED_PROCESS (the real call would most likely block)")
+            raise CheckpointError(call, "CUDA_ERROR_NOT_INITIALIZED" if psutil.pid_exists(pid)
+                                  else "CUDA_ERROR_OPERATING_SYSTEM")
         return reg, self.device.driver_record(reg)
+
+    @staticmethod
+    def _answer_when_continued(pid: int) -> None:
+        """The real driver answers nothing about a stopped process until it is continued."""
+        while stopped(pid):
+            time.sleep(POLL_S)
 
     @contextlib.contextmanager
     def _exclusive(self, call: str) -> Iterator[None]:
@@ -128,6 +140,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         return reg, rec
 
     def state(self, pid: int) -> str:
+        self._answer_when_continued(pid)
         return self._proc("cuCheckpointProcessGetState", pid)[1]["state"]
 
     def lock(self, pid: int, timeout_ms: int) -> None:
@@ -135,6 +148,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         up to `timeout_ms`, or as long as it takes with 0 ("0 indicates no timeout"). The state
         changes under the device's lock, so no allocation of the process is half-way through."""
         call = "cuCheckpointProcessLock"
+        self._answer_when_continued(pid)
         reg, rec = self._expect(call, pid, RUNNING)
         deadline = None if timeout_ms == 0 else time.monotonic() + timeout_ms / 1000
         while True:
@@ -151,10 +165,12 @@ class SimulatedCheckpointDriver(CheckpointDriver):
             reg, rec = self._expect(call, pid, RUNNING)
 
     def checkpoint(self, pid: int) -> None:
+        self._answer_when_continued(pid)
         reg, rec = self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
         self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"])
 
     def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
+        self._answer_when_continued(pid)
         call = "cuCheckpointProcessRestore"
         reg, rec = self._expect(call, pid, CHECKPOINTED)
         if rec["poisoned"]:
@@ -181,6 +197,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         return by_uuid[gpu_map[self.gpus.uuid(home)]]
 
     def unlock(self, pid: int) -> None:
+        self._answer_when_continued(pid)
         reg, rec = self._proc("cuCheckpointProcessUnlock", pid)
         if rec["state"] != LOCKED or rec["poisoned"]:
             raise CheckpointError("cuCheckpointProcessUnlock", "CUDA_ERROR_ILLEGAL_STATE")

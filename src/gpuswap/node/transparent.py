@@ -10,7 +10,7 @@ their results.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as NoAnswerYet
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -20,7 +20,7 @@ import psutil
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriver, CheckpointError
 from gpuswap.fsutil import atomic_write_json, read_json
 from gpuswap.node.gpus import GpuInventory
-from gpuswap.simcuda import start_ticks
+from gpuswap.simcuda import start_ticks, stopped
 
 ROOM_MARGIN_BYTES = 256 * 2**20      # restore only with this much to spare (plus 5 %): an OOM restore
 ROOM_MARGIN_FRACTION = 0.05          # leaves the process stuck for good (NVIDIA/cuda-checkpoint#44)
@@ -146,6 +146,77 @@ class StepRunner:
                 return StepResult(step, time.monotonic() - t0, CheckpointError(step, repr(e)))
 
         self._ops[job_id] = self._pool.submit(run)
+
+
+# How long the control loop waits for the driver's answer about one process.
+ANSWER_S = 5.0
+
+
+class Unanswered(CheckpointError):
+    """The driver was not asked, or gave no answer in time: the process is stopped by a signal."""
+
+
+class StateQueries:
+    """`driver.state(pid)` for the control loop, never blocking it for long.
+
+    The real driver does not answer about a SIGSTOPped process: on an H100 (driver 580.159.04,
+    2026-11-26) cuCheckpointProcessGetState and cuCheckpointProcessLock on a stopped process gave
+    no answer in 15 s, and answered at once after SIGCONT. A job's user may stop its process
+    (`kill -STOP`, Ctrl-Z), so asking inline would stall every job's control loop. A stopped
+    process (/proc) is not asked at all; a process stopped between that look and the call leaves
+    one worker waiting (one per pid at most) and the loop goes on after ANSWER_S."""
+
+    def __init__(self, driver: CheckpointDriver, workers: int = 4, answer_s: float = ANSWER_S):
+        self.driver, self.answer_s, self.workers = driver, answer_s, workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-state")
+        self._pending: dict[int, Future] = {}
+
+    def state(self, pid: int) -> str:
+        """running | locked | checkpointed | failed; CheckpointError from the driver, Unanswered
+        for a process that is stopped or did not answer."""
+        f = self._pending.get(pid)
+        if f is None:
+            if stopped(pid):
+                raise Unanswered("cuCheckpointProcessGetState", f"process {pid} is stopped by a signal "
+                                 f"(SIGSTOP): the driver answers nothing about a stopped process")
+            if len(self._pending) >= self.workers:
+                self._reap()
+            if len(self._pending) >= self.workers:
+                raise Unanswered("cuCheckpointProcessGetState", "the driver has not answered about other stopped "
+                                                                "processes yet")
+            f = self._pending[pid] = self._pool.submit(self.driver.state, pid)
+        try:
+            answer = f.result(timeout=self.answer_s)
+        except NoAnswerYet:
+            raise Unanswered("cuCheckpointProcessGetState", f"no answer about process {pid} in "
+                             f"{self.answer_s:g} s (stopped by a signal?)") from None
+        except CheckpointError:
+            del self._pending[pid]
+            raise
+        except Exception as e:       # a binding raising instead of returning a CUresult
+            del self._pending[pid]
+            raise CheckpointError("cuCheckpointProcessGetState", repr(e)) from None
+        del self._pending[pid]
+        return answer
+
+    def undo(self, pids: list[int]) -> None:
+        """Put back what a freeze given up on took (restore, unlock), on a worker: best effort."""
+        def run() -> None:
+            for pid in pids:
+                try:
+                    state = self.driver.state(pid)
+                    if state == CHECKPOINTED:
+                        self.driver.restore(pid, None)
+                        state = LOCKED
+                    if state == LOCKED:
+                        self.driver.unlock(pid)
+                except Exception:
+                    pass
+        self._pool.submit(run)
+
+    def _reap(self) -> None:
+        for pid in [p for p, f in self._pending.items() if f.done()]:
+            del self._pending[pid]
 
 
 def job_cuda_processes(job_pid: int, gpus: GpuInventory) -> list[CudaProcess]:
