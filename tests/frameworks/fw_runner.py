@@ -32,7 +32,9 @@ def _start(script: str, out: Path, ckpt: Optional[Path], pauses: str,
     env.update(PYTHONPATH=os.pathsep.join([str(HERE), SRC]), FW_PAUSES=pauses,
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if ckpt is not None:
-        env.update(GPUSWAP_JOB_ID="fw-test", GPUSWAP_CKPT_DIR=str(ckpt), GPUSWAP_SIMULATED_GPU="1")
+        env.update(GPUSWAP_JOB_ID="fw-test", GPUSWAP_CKPT_DIR=str(ckpt))
+        if env.get("FW_ACCEL") != "gpu":     # CPU tensors stand for device memory
+            env.update(GPUSWAP_SIMULATED_GPU="1")
     return subprocess.Popen([sys.executable, str(HERE / script), str(out)], env=env, cwd=out.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -1,9 +1,11 @@
 """A tiny Lightning fit on CPU with gpuswap's SafepointCallback: the job the tests run.
 
-    python lightning_job.py OUT.json      (env FW_PAUSE_AT / FW_PAUSE_TIER trigger a pause)
+    python lightning_job.py OUT.json      (env FW_PAUSES triggers pauses; FW_ACCEL=gpu: the fit runs on
+                                          CUDA in 16-bit mixed precision, with its GradScaler)
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -55,12 +57,16 @@ def main(out: str) -> int:
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     gp = SafepointCallback()
     trig = Trigger(gp)
-    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, callbacks=[trig, gp],
+    gpu = os.environ.get("FW_ACCEL") == "gpu"
+    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="gpu" if gpu else "cpu", devices=1, callbacks=[trig, gp],
+                         precision="16-mixed" if gpu else "32-true",
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, deterministic=True)
     model = Tiny()
     trainer.fit(model, loader)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
     write_result(out, sha256=params_sha256(model), global_step=trainer.global_step,
+                 scale=None if scaler is None else float(scaler.get_scale()),
                  epoch=trainer.current_epoch, restored_step=getattr(gp.job, "restored_step", None),
                  parked_bytes=(gp.job.state.get("fw_parked_bytes", []) if gp.job is not None else []), batches=trig.seen,
                  lr=trainer.optimizers[0].param_groups[0]["lr"])

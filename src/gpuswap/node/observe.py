@@ -282,9 +282,16 @@ def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
     common: dict[str, Any] = dict(assigned=[], stopped=False, desired="running", desired_tier=None)
     # A multi-rank job's launcher turns a rank's 75 into its own 1 (torchrun) or a kill
     # (Lightning): there the committed manifest alone says "checkpointed" (design section 4).
+    # A single process says "checkpointed" only once its checkpoint is committed, just before it
+    # exits 75; what runs while it unwinds (a framework's teardown, a `finally:`) may still fail
+    # and exit otherwise, and the checkpoint is as good: requeued all the same, the code noted.
     multi = rt.multi_rank
-    if ((code == REQUEUE_EXIT_CODE or multi) and rt.state == "checkpointed"
-            and not job.cancel_requested and not ex.error):
+    if (rt.state == "checkpointed" and not job.cancel_requested and not ex.error):
+        if code != REQUEUE_EXIT_CODE and not multi:
+            unwound = f"{_exit_text(code, sig)} while unwinding, after its checkpoint"
+            rt_note = f"{rt.ckpt_note}; {unwound}" if rt.ckpt_note else unwound
+        else:
+            rt_note = rt.ckpt_note
         nbytes = int(rt.bytes or 0)
         if multi and job.ranks:     # each rank's part is on disk; nothing of it on a GPU
             common["ranks"] = [dict(r, state="written", connected=False, device_bytes=0) for r in job.ranks]
@@ -292,7 +299,7 @@ def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
                                     mechanism="cooperative", **common), NewEvent(
             K.SPILLED if job.state == PD else K.PARKED_DISK,
             f"parked to disk: checkpoint of {format_size(nbytes)} at step {rt.step} written in "
-            f"{rt.pause_s or 0:.2f} s; requeued" + (f" ({rt.ckpt_note})" if rt.ckpt_note else "")),
+            f"{rt.pause_s or 0:.2f} s; requeued" + (f" ({rt_note})" if rt_note else "")),
             (Sample("disk_write_bps", nbytes, rt.pause_s),))
     common.update(parked=None, parked_bytes=0, home_gpus=[], exit_code=code, signal=sig)
     if rt.restore_failed and not job.cancel_requested:

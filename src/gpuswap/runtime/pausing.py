@@ -47,10 +47,16 @@ def _error(job: "Job", what: str, exc: BaseException) -> None:
 
 
 def _park(job: "Job", tier: str, want_payload: bool) -> tuple[parking.RamPark, dict[str, Any] | None]:
+    """Host copies of the attached state, and its checkpoint payload if asked. A RAM park then
+    frees the device memory; a disk park keeps it: the process exits once the checkpoint is
+    written, and what runs while it unwinds (Lightning's teardown moves the optimizer's state to
+    the CPU, a `finally:` may read the model) must find its tensors whole. On an H100 a freed one
+    made that teardown fail with "CUDA error: invalid argument" and the exit code 1, not 75."""
     park = parking.copy_to_host(objects.iter_tensors(job.items), job.config.simulated, tier)
     try:
         payload = snapshot(job, park) if want_payload else None
-        parking.release(park, job.config.simulated)
+        if tier == "ram":
+            parking.release(park, job.config.simulated)
     except BaseException:
         parking.drop_host(park)
         raise
