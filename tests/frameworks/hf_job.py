@@ -1,7 +1,8 @@
 """A tiny Hugging Face Trainer run on CPU with gpuswap's SafepointCallback (no hub access: the
 model is built from a config, the data is synthetic).
 
-    python hf_job.py OUT.json      (env FW_PAUSES triggers pauses, see fw_common.PauseAt)
+    python hf_job.py OUT.json      (env FW_PAUSES triggers pauses, see fw_common.PauseAt;
+                                   FW_ACCEL=gpu: on CUDA in fp16, with full determinism)
 
 `FW_HF_EVAL=1`: evaluate every 8 steps on a held-out set (evaluation iterates a DataLoader, which
 draws from the global RNG, so a resume that skips or repeats one shifts dropout afterwards).
@@ -29,6 +30,7 @@ N, SEQ, EPOCHS, BATCH = 96, 12, 3, 8  # 12 steps per epoch, 36 steps
 EVAL = (dict(eval_strategy="steps", eval_steps=8, per_device_eval_batch_size=8)
         if os.environ.get("FW_HF_EVAL") else {})
 EARLY = os.environ.get("FW_HF_EVAL") == "early"
+GPU = os.environ.get("FW_ACCEL") == "gpu"   # on CUDA in fp16 (the Trainer's GradScaler), deterministic
 if os.environ.get("FW_HF_EVAL") == "start":
     EVAL.update(eval_on_start=True)
 if EARLY:
@@ -73,7 +75,8 @@ def main(out: str) -> int:
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(out) or ".", "hf-out"),
                              per_device_train_batch_size=BATCH, num_train_epochs=EPOCHS, seed=7,
                              learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=4,
-                             save_strategy="no", report_to=[], logging_strategy="no", use_cpu=True,
+                             save_strategy="no", report_to=[], logging_strategy="no", use_cpu=not GPU,
+                             fp16=GPU, full_determinism=GPU,
                              dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False,
                              **EVAL)
     torch.manual_seed(args.seed)
@@ -88,6 +91,8 @@ def main(out: str) -> int:
                  epoch=trainer.state.epoch, restored_step=getattr(gp.job, "restored_step", None),
                  parked_bytes=(gp.job.state.get("fw_parked_bytes", []) if gp.job is not None else []), samples=SEEN,
                  lr=trainer.optimizer.param_groups[0]["lr"],
+                 scale=(float(trainer.accelerator.scaler.get_scale())
+                        if getattr(trainer.accelerator, "scaler", None) is not None else None),
                  evals=[(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h])
     return 0
 

@@ -107,3 +107,17 @@ def test_disk_park_does_not_repeat_the_evaluation_before_training(start_runs: di
     assert r["evals"] == base["evals"]
     assert (r["global_step"], r["epoch"], r["lr"]) == (36, 3.0, base["lr"])
     assert r["sha256"] == base["sha256"]
+
+
+@pytest.mark.gpu
+def test_fp16_on_a_gpu_parks_and_resumes_bitwise(tmp_path) -> None:
+    """The same Trainer on CUDA with fp16=True (its GradScaler, whose scale is a CUDA tensor) and
+    full_determinism: RAM then disk parks end bitwise equal to the uninterrupted run, at the same
+    loss scale."""
+    r = run_all(JOB, tmp_path, [PLAN, END], env={"FW_ACCEL": "gpu"})
+    base = r["baseline"]
+    assert base["global_step"] == 36 and base["scale"] is not None
+    for plan, at in ((PLAN, 16), (END, 23)):
+        assert r[plan]["restored_step"] == at
+        assert (r[plan]["sha256"], r[plan]["scale"], r[plan]["lr"]) == (base["sha256"], base["scale"], base["lr"]), plan
+    assert r[PLAN]["parked_bytes"] and r[PLAN]["parked_bytes"][0] > 0
