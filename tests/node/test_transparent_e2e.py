@@ -155,6 +155,43 @@ def test_a_process_its_user_stopped_is_not_frozen_and_the_daemon_goes_on(make_da
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 
 
+def test_jobs_their_users_stopped_leave_the_next_freeze_its_answers(make_daemon, home):
+    """The undo of each refused freeze asks the driver about the stopped process, which answers
+    only once it is continued. Four such undos once held every worker of the control loop's
+    state queries: the next job's freeze, of a process that answers at once, waited 5 s for a
+    worker and was refused ("no answer about process ... (stopped by a signal?)"), for good."""
+    daemon = make_daemon("--simulate-gpus", "5x80GiB", "--min-runtime", "1")
+    gate = Gate(home / "go")
+    stopped, jobs = [], []
+    try:
+        for tag in "abcd":
+            cmd, ready = fake(home, GiB, gate, tag=tag)
+            job = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name=f"stopped-{tag}", priority="low")
+            wait_file(daemon, job, ready)
+            [own] = daemon.job(job)["assigned_gpus"]
+            [proc] = daemon.client.get("/v1/gpus")["gpus"][own]["processes"]
+            os.kill(proc["pid"], signal.SIGSTOP)
+            stopped.append(proc["pid"])
+            jobs.append(job)
+            assert daemon.cli("pause", str(job)).returncode == 0
+            daemon.until(job, lambda j: "cannot freeze" in j["reason"])
+        cmd, ready = fake(home, GiB, gate, tag="e")
+        last = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="answers", priority="low")
+        wait_file(daemon, last, ready)
+        assert daemon.cli("pause", str(last)).returncode == 0
+        j = daemon.until(last, lambda j: j["state"] != "PAUSING" and j["state"] != "RUNNING"
+                         or "cannot freeze" in j["reason"])
+        assert j["state"] == "PAUSED" and j["mechanism"] == "transparent", j["reason"]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert daemon.cli("resume", str(last)).returncode == 0
+    daemon.until(last, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
+    gate.open()
+    for job in jobs + [last]:
+        assert daemon.state(job, "COMPLETED")["exit_code"] == 0
+
+
 def test_host_ram_budget_counts_what_the_driver_moved_not_the_declared_size(make_daemon, home):
     """Two driver-frozen jobs under a 6 GiB host-RAM budget, each declared at 4 GiB but holding 2 GiB
     and its 0.5 GiB CUDA context (NVML's measure before the lock). The budget counts what each park

@@ -201,7 +201,8 @@ class Freezer:
         why = f"lock timed out after {LOCK_TIMEOUT_MS / 1000:.0f} s" if getattr(error, "timed_out", False) else str(error)
         if rec is not None and rec.alive():
             # Off the loop: a restore takes seconds, and a process stopped by a signal is not
-            # answered for until it is continued (which the supervisor does, stopped=False below).
+            # answered for until it is continued: by the supervisor (stopped=False below) if it
+            # stopped it, else by whoever did (its user).
             self.queries.undo(rec.alive())
         self._forget(job)
         self._timings.pop(job.id, None)

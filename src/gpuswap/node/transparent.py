@@ -9,6 +9,7 @@ their results.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as NoAnswerYet
 from dataclasses import asdict, dataclass
@@ -200,7 +201,10 @@ class StateQueries:
         return answer
 
     def undo(self, pids: list[int]) -> None:
-        """Put back what a freeze given up on took (restore, unlock), on a worker: best effort."""
+        """Put back what a freeze given up on took (restore, unlock), best effort, on a thread of
+        its own: a process its user stopped is answered for only once continued, and undos in
+        the pool once held every worker, so that another job's freeze got no answer and was
+        refused for good. One thread per refused freeze; a job is refused once."""
         def run() -> None:
             for pid in pids:
                 try:
@@ -212,7 +216,7 @@ class StateQueries:
                         self.driver.unlock(pid)
                 except Exception:
                     pass
-        self._pool.submit(run)
+        threading.Thread(target=run, name="ckpt-undo", daemon=True).start()
 
     def _reap(self) -> None:
         for pid in [p for p, f in self._pending.items() if f.done()]:
