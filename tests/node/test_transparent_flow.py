@@ -319,3 +319,45 @@ def test_state_queries_never_hold_the_loop_on_a_call_that_does_not_answer():
     answer.set()
     assert q.state(4242) == "running"
     assert q.state(4242) == "running" and asked == [4242, 4242]
+
+
+def test_state_queries_wait_once_for_a_process_stopped_with_a_question_in_flight():
+    """A process stopped after StateQueries looked at /proc, its question in flight: the first
+    ask waits `answer_s`, and each later one (a thaw asks at every tick) said Unanswered only
+    after waiting `answer_s` again, holding the control loop that long at every tick while the
+    process stayed stopped. Now a later ask about a process that is stopped answers at once."""
+    import os
+    import signal
+    import threading
+
+    from gpuswap.node.transparent import StateQueries, Unanswered
+
+    answer = threading.Event()
+
+    class Silent:
+        def state(self, pid):
+            answer.wait()
+            return "running"
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        q = StateQueries(Silent(), workers=2, answer_s=1.0)   # type: ignore[arg-type]
+        with pytest.raises(Unanswered, match="no answer"):
+            q.state(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(Unanswered, match="stopped"):
+                q.state(proc.pid)
+            assert time.monotonic() - t0 < 0.5
+        os.kill(proc.pid, signal.SIGCONT)
+        answer.set()
+        assert q.state(proc.pid) == "running"
+    finally:
+        answer.set()
+        proc.kill()
+        proc.wait()

@@ -176,10 +176,12 @@ class StateQueries:
         """running | locked | checkpointed | failed; CheckpointError from the driver, Unanswered
         for a process that is stopped or did not answer."""
         f = self._pending.get(pid)
+        # A question in flight is waited for again only while its process runs: else each tick
+        # of a thaw waited answer_s for a process still stopped.
+        if (f is None or not f.done()) and stopped(pid):
+            raise Unanswered("cuCheckpointProcessGetState", f"process {pid} is stopped by a signal "
+                             f"(SIGSTOP): the driver answers nothing about a stopped process")
         if f is None:
-            if stopped(pid):
-                raise Unanswered("cuCheckpointProcessGetState", f"process {pid} is stopped by a signal "
-                                 f"(SIGSTOP): the driver answers nothing about a stopped process")
             if len(self._pending) >= self.workers:
                 self._reap()
             if len(self._pending) >= self.workers:
