@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: pip install 'gpuswap[torch]'")
 
-# argv: mode (ok | fail), steps, gate: the job holds at step 5 until the gate exists.
+# argv: mode (ok | fail | swallow), steps, gate: the job holds at step 5 until the gate exists.
+# fail: a teardown that raises; swallow: a script that catches the SystemExit and trains on.
 SCRIPT = """
 import hashlib, os, sys, time, torch, gpuswap
 mode, steps, gate = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -24,11 +25,15 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 job = gpuswap.attach(model=model, optimizer=opt)
 g = torch.Generator().manual_seed(1)
 xs = [torch.randn(4, 16, generator=g) for _ in range(steps)]
+def train(step):
+    opt.zero_grad()
+    model(xs[step]).pow(2).mean().backward()
+    opt.step()
+cur = job.start_step
 try:
     for step in range(job.start_step, steps):
-        opt.zero_grad()
-        model(xs[step]).pow(2).mean().backward()
-        opt.step()
+        cur = step
+        train(step)
         job.safepoint(step)
         while step == 5 and not os.path.exists(gate):
             time.sleep(0.02)
@@ -37,7 +42,10 @@ except SystemExit as e:
     print("UNWIND", float(model.weight.sum()), flush=True)     # a teardown reads the model
     if mode == "fail" and e.code == 75:
         raise RuntimeError("the framework's teardown failed")
-    raise
+    if mode != "swallow":
+        raise
+    for step in range(cur + 1, steps):
+        train(step)
 print("HASH", hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
       flush=True)
 """
@@ -68,4 +76,22 @@ def test_a_disk_park_unwinds_with_whole_tensors_and_requeues_even_if_unwinding_f
     assert done["exit_code"] == 0
     log = daemon.cli("logs", str(job)).stdout
     assert len(_lines(log, "UNWIND")) == 1                   # the model was whole while unwinding
+    assert _lines(log, "HASH") == _lines(outside.stdout, "HASH")
+
+
+def test_a_job_that_catches_the_requeue_and_trains_to_its_end_is_completed(daemon):
+    """Exit 0 after the checkpoint is the job's own word that it finished: COMPLETED, not
+    requeued (it would train its last steps twice)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
+    outside = subprocess.run([sys.executable, "-c", SCRIPT, "ok", "12", "/"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert outside.returncode == 0, outside.stderr
+    gate = daemon.home / "go"
+    job = daemon.submit([sys.executable, "-c", SCRIPT, "swallow", "12", str(gate)], name="swallow")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and j["step"] == 5)
+    assert daemon.cli("pause", str(job), "--to", "disk").returncode == 0
+    done = daemon.until(job, lambda j: j["state"] in ("PAUSED", "FAILED", "COMPLETED"))
+    assert done["state"] == "COMPLETED" and done["exit_code"] == 0, done
+    assert not any(e["reason"].startswith("parked to disk") for e in done["events"])
+    log = daemon.cli("logs", str(job)).stdout
     assert _lines(log, "HASH") == _lines(outside.stdout, "HASH")

@@ -285,8 +285,11 @@ def _finished(job: JobRecord, obs: Observation, now: float) -> Transition:
     # A single process says "checkpointed" only once its checkpoint is committed, just before it
     # exits 75; what runs while it unwinds (a framework's teardown, a `finally:`) may still fail
     # and exit otherwise, and the checkpoint is as good: requeued all the same, the code noted.
+    # Exit 0 is the job's own word that it finished (a script that caught the SystemExit and
+    # trained on to its end): completed, as before.
     multi = rt.multi_rank
-    if (rt.state == "checkpointed" and not job.cancel_requested and not ex.error):
+    finished = code == 0 and not sig and not multi
+    if (rt.state == "checkpointed" and not finished and not job.cancel_requested and not ex.error):
         if code != REQUEUE_EXIT_CODE and not multi:
             unwound = f"{_exit_text(code, sig)} while unwinding, after its checkpoint"
             rt_note = f"{rt.ckpt_note}; {unwound}" if rt.ckpt_note else unwound
