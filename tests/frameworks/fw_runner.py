@@ -64,3 +64,17 @@ def run_all(script: str, tmp: Path, plans: list[str],
     for plan, p in second.items():
         results[plan] = _finish(p, tmp / f"{plan}.json", 0)
     return results  # type: ignore[return-value]
+
+
+def check_mixed_precision_on_gpu(script: str, tmp: Path, pauses: dict[str, int]) -> None:
+    """The job on CUDA in 16-bit mixed precision (`FW_ACCEL=gpu`): every pause plan (plan -> the
+    step its disk park was at) ends with the uninterrupted run's parameters bitwise, its loss scale
+    (the GradScaler's, a CUDA tensor) and learning rate; the first plan's RAM park freed memory."""
+    r = run_all(script, tmp, list(pauses), env={"FW_ACCEL": "gpu"})
+    base = r["baseline"]
+    assert base["global_step"] == 36 and base["scale"] is not None
+    for plan, at in pauses.items():
+        assert r[plan]["restored_step"] == at
+        assert (r[plan]["sha256"], r[plan]["scale"], r[plan]["lr"]) == (base["sha256"], base["scale"], base["lr"]), plan
+    first = r[next(iter(pauses))]
+    assert first["parked_bytes"] and first["parked_bytes"][0] > 0

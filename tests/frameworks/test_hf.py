@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fw_runner import require, run_all
+from fw_runner import check_mixed_precision_on_gpu, require, run_all
 
 require("hf", "transformers", "accelerate")
 
@@ -114,10 +114,4 @@ def test_fp16_on_a_gpu_parks_and_resumes_bitwise(tmp_path) -> None:
     """The same Trainer on CUDA with fp16=True (its GradScaler, whose scale is a CUDA tensor) and
     full_determinism: RAM then disk parks end bitwise equal to the uninterrupted run, at the same
     loss scale."""
-    r = run_all(JOB, tmp_path, [PLAN, END], env={"FW_ACCEL": "gpu"})
-    base = r["baseline"]
-    assert base["global_step"] == 36 and base["scale"] is not None
-    for plan, at in ((PLAN, 16), (END, 23)):
-        assert r[plan]["restored_step"] == at
-        assert (r[plan]["sha256"], r[plan]["scale"], r[plan]["lr"]) == (base["sha256"], base["scale"], base["lr"]), plan
-    assert r[PLAN]["parked_bytes"] and r[PLAN]["parked_bytes"][0] > 0
+    check_mixed_precision_on_gpu(JOB, tmp_path, {PLAN: 16, END: 23})

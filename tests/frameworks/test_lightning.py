@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fw_runner import require, run_all
+from fw_runner import check_mixed_precision_on_gpu, require, run_all
 
 require("lightning", "lightning")
 
@@ -39,10 +39,4 @@ def test_mixed_precision_on_a_gpu_parks_and_resumes_bitwise(tmp_path) -> None:
     """The same fit on CUDA in 16-bit mixed precision: the GradScaler's scale (a CUDA tensor) and
     its growth tracker are parked and restored with the rest, so RAM and disk parks end bitwise
     equal to the uninterrupted fit, at the same loss scale."""
-    r = run_all(JOB, tmp_path, [MID, END], env={"FW_ACCEL": "gpu"})
-    base = r["baseline"]
-    assert base["global_step"] == 36 and base["scale"] is not None
-    for plan, pause_at in ((MID, 16), (END, 23)):
-        assert r[plan]["restored_step"] == pause_at
-        assert (r[plan]["sha256"], r[plan]["scale"], r[plan]["lr"]) == (base["sha256"], base["scale"], base["lr"]), plan
-    assert r[MID]["parked_bytes"] and r[MID]["parked_bytes"][0] > 0
+    check_mixed_precision_on_gpu(JOB, tmp_path, {MID: 16, END: 23})
