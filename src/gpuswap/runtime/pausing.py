@@ -3,8 +3,9 @@
 Both tiers start the same way: copy device state to host, snapshot everything a checkpoint
 needs (as views of the host copies, so no second copy). A ram pause then frees the device
 memory and waits for resume; a disk pause keeps it (`_park` says why), writes the snapshot and
-exits with REQUEUE_EXIT_CODE, and so does a disk pause that arrives while parked in ram (a spill). A failure anywhere is reported
-as an `error` message and the job runs on (or, mid-spill, stays parked in ram).
+exits with REQUEUE_EXIT_CODE, and so does a disk pause that arrives while parked in ram (a
+spill). A failure anywhere is reported as an `error` message and the job runs on (or,
+mid-spill, stays parked in ram).
 """
 from __future__ import annotations
 
