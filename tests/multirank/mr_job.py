@@ -4,7 +4,7 @@ as the reference, under plain torchrun.
 
     torchrun --nproc-per-node N mr_job.py --steps S --out DIR [--modes ddp,zero,fsdp2]
              [--gate FILE --hold-at H[,H2...]] [--no-attach RANK] [--hang-in-park RANK]
-             [--block-rank R --block-file F] [--fail-dir DIR] [--probe-buckets]
+             [--block-rank R --block-file F] [--fail-dir DIR] [--probe-buckets] [--report-each-step]
 
 --modes: which trainings run, side by side in one process, one step of each per loop step
 (starting torchrun is most of a test's cost): `ddp` (DistributedDataParallel + AdamW), `zero`
@@ -38,6 +38,9 @@ bucket buffer's storage (`StorageWeakRef`, which keeps nothing alive). A test ho
 script then notes, as each `paused` report leaves a rank (its park is complete), whether the
 buffers of the last backward still exist: DDP's C++ Reducer holds them, out of the runtime's reach
 unless it frees them (runtime/ddpreducer.py).
+--report-each-step: every rank sends its usage report (the heartbeat's) right after each step's
+safepoint, not in the hold loop: reports that come faster than the supervisor writes status.json,
+as a short $GPUSWAP_USAGE_INTERVAL_S sends them (the test sets that one long, so these are all).
 
 Each rank writes, per mode, its parameters, optimizer state, RNG state, data generator and how
 many distinct default groups it trained with to DIR/MODE/rank{R}.pt, and leaves with os._exit
@@ -194,6 +197,7 @@ def main() -> None:
     ap.add_argument("--fail-dir", default="")
     ap.add_argument("--probe-buckets", action="store_true")
     ap.add_argument("--wait-file", default="")
+    ap.add_argument("--report-each-step", action="store_true")
     args = ap.parse_args()
     holds = {int(h) for h in args.hold_at.split(",") if h}
     faulthandler.dump_traceback_later(600, exit=True)   # a hang ends with its stacks
@@ -233,6 +237,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=False)
         job.safepoint(step)
         seen_group(groups)
+        if args.report_each_step and not isinstance(job, NoJob):
+            job.send(job._usage_msg())
         if args.gate and step in holds:
             deadline = time.monotonic() + 600
             while True:

@@ -253,6 +253,17 @@ class Supervisor:
         if changed:
             self.files.write()
 
+    def _write_held_back(self) -> None:
+        """The write that changes held back wait for (statusfile.py `due`). A multi-rank job's
+        usage reports are held back in its coordinator, not in status: their facts are taken now.
+        Written without them, a rank 0 whose reports all came within USAGE_WRITE_S of the last
+        write (a GPUSWAP_USAGE_INTERVAL_S of 0.25 s) had its step missing from status.json until
+        one of them happened to come just after that interval, ~25 s later."""
+        with self.lock:
+            if self.ranks is not None:
+                self.channel.rank_facts()
+            self.files.write()
+
     # -- main -------------------------------------------------------------------------------
     def run(self) -> int:
         lock_fd = os.open(self.run_dir / rundir.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
@@ -281,7 +292,7 @@ class Supervisor:
             self.read_desired()
             self.reconcile()
             if self.files.due():
-                self.files.write()
+                self._write_held_back()
         ended = self._ranks_verdict()   # before its ranks are killed: where the job stood
         # Until none is left, in its session, among its ranks or among the orphans it left us
         # (torchrun's workers lead sessions of their own): its GPUs are free only then.
