@@ -316,6 +316,8 @@ class Supervisor:
                 f"signal {sig}" if sig else f"code {rc}"
             error = f"{ended} (main process: {how})"
         with self.lock:
+            if self.ranks is not None:      # what the ranks said since the last write (`_write_held_back`)
+                self.channel.rank_facts()
             self.status.exit = ExitFacts(code=128 + sig if sig else rc, signal=sig, error=error, time=time.time())
             self.status.runtime["connected"] = False
         while not self.files.write():   # the exit status must land; wait for room on the disk
