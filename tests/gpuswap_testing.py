@@ -19,6 +19,7 @@ FACT_TIMEOUT_S = 180.0
 # costs ~2.5 ms of CPU (the request and the daemon's answer), and on a 2-core machine running the
 # suite, four workers looking 10 times a second through long waits took about 5% of its CPU.
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.25
+USAGE_INTERVAL_S = "0.25"     # the tests' jobs' usage reports (GPUSWAP_USAGE_INTERVAL_S): see Daemon.env
 
 
 def auto_workers(cores: int, load: float) -> int:
@@ -52,6 +53,12 @@ class Daemon:
     def env(self) -> dict[str, str]:
         # No GPUSWAP_CONFIG from the caller's shell: a test's daemon reads only what the test gives it.
         env = {k: v for k, v in os.environ.items() if k != "GPUSWAP_CONFIG"}
+        # The jobs' runtimes report their step every USAGE_INTERVAL_S, not every 2 s (the default,
+        # docs/runtime.md): a test waiting for a job to pass step N waited up to 2 s more for the
+        # report after the fact, at each such wait. Only how soon the step is seen changes (nothing
+        # judges a job by its reports' pace; status.json takes them at most every 0.5 s); a test
+        # that sets its own interval keeps it (test_usage_heartbeat.py, test_mr_slow_disk.py).
+        env.setdefault("GPUSWAP_USAGE_INTERVAL_S", USAGE_INTERVAL_S)
         return dict(env, GPUSWAP_HOME=str(self.home), PYTHONUNBUFFERED="1")
 
     def start(self) -> "Daemon":
