@@ -73,7 +73,8 @@ def test_switch_cap_holds_the_urgent_job_and_every_view_says_so(make_daemon):
 
 def test_minimum_runtime_no_preempt_and_priority_are_named(make_daemon):
     """Three GPUs held for three different rules; a 3-GPU high job names each holder and rule."""
-    d = make_daemon("--simulate-gpus", "3x80GiB", "--min-runtime", "600")
+    # --protect-multiple at its default, named: the reason below states the cost-aware multiple.
+    d = make_daemon("--simulate-gpus", "3x80GiB", "--min-runtime", "600", "--protect-multiple", "4")
     top = d.submit(SLEEP, name="top", priority="urgent")
     d.state(top, "RUNNING")
     pinned = d.submit(SLEEP, name="pinned", priority="low", preemptible=False)
