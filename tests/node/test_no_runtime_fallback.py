@@ -72,7 +72,9 @@ def test_attached_but_slow_job_is_not_preempted_again_after_a_timeout(make_daemo
     j = d.until(slow, lambda j: any("cannot park" in e["reason"] for e in j["events"]), timeout=30)
     assert "no safepoint reached within 2 s" in j["reason"] and "will not be preempted" in j["reason"]
     gate.open()
-    d.until(slow, lambda j: (j["step"] or -1) >= 0, timeout=30)      # its next safepoint has passed
+    # Its next safepoint (step 0) has passed. (`(step or -1) >= 0` read step 0 as -1 and waited a
+    # 6 s step more, for step 1.)
+    d.until(slow, lambda j: j["step"] is not None and j["step"] >= 0, timeout=30)
     time.sleep(1.5)
     j = d.job(slow)
     assert [e["state"] for e in j["events"]].count("PAUSING") == 1, j["events"]
