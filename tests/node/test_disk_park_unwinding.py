@@ -55,12 +55,20 @@ def _lines(text: str, tag: str) -> list[str]:
     return [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith(tag + " ")]
 
 
-@pytest.mark.parametrize("mode", ["ok", "fail"])
-def test_a_disk_park_unwinds_with_whole_tensors_and_requeues_even_if_unwinding_fails(daemon, mode):
+@pytest.fixture(scope="module")
+def outside() -> subprocess.CompletedProcess:
+    """The script run outside gpuswap, uninterrupted (mode ok, 12 steps): the reference every test
+    compares its job's final parameters with. Deterministic and the same for all three, so made
+    once (it was made by each test: a torch process of ~2 s)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-    outside = subprocess.run([sys.executable, "-c", SCRIPT, "ok", "12", "/"], env=env, capture_output=True,
-                             text=True, timeout=120)
-    assert outside.returncode == 0, outside.stderr
+    run = subprocess.run([sys.executable, "-c", SCRIPT, "ok", "12", "/"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_a_disk_park_unwinds_with_whole_tensors_and_requeues_even_if_unwinding_fails(daemon, outside, mode):
     gate = daemon.home / "go"
     job = daemon.submit([sys.executable, "-c", SCRIPT, mode, "12", str(gate)], name=f"unwind-{mode}")
     daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and j["step"] == 5)
@@ -79,13 +87,9 @@ def test_a_disk_park_unwinds_with_whole_tensors_and_requeues_even_if_unwinding_f
     assert _lines(log, "HASH") == _lines(outside.stdout, "HASH")
 
 
-def test_a_job_that_catches_the_requeue_and_trains_to_its_end_is_completed(daemon):
+def test_a_job_that_catches_the_requeue_and_trains_to_its_end_is_completed(daemon, outside):
     """Exit 0 after the checkpoint is the job's own word that it finished: COMPLETED, not
     requeued (it would train its last steps twice)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSWAP_")}
-    outside = subprocess.run([sys.executable, "-c", SCRIPT, "ok", "12", "/"], env=env, capture_output=True,
-                             text=True, timeout=120)
-    assert outside.returncode == 0, outside.stderr
     gate = daemon.home / "go"
     job = daemon.submit([sys.executable, "-c", SCRIPT, "swallow", "12", str(gate)], name="swallow")
     daemon.until(job, lambda j: j["state"] == "RUNNING" and j["runtime_attached"] and j["step"] == 5)
