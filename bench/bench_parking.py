@@ -10,6 +10,12 @@ measured in the same run.
   twice through the runtime's own code (safepoint -> pausing -> parking -> pinned pool); the
   first park maps and pins its host buffers (pool cold), the second reuses them (pool warm).
   Seconds are the ones the runtime reports in its `paused`/`resumed` messages.
+- cooperative, pause asked one step ahead: a fresh job (pool cold) whose pause arrives as its
+  step starts (a step of ~AHEAD seconds of GPU work, `--ahead-s`), once with the host buffers
+  prepared at the request (runtime/prefault.py) and once without (`GPUSWAP_PREFAULT=0`, what a
+  cold park did before). Reported: the park as the runtime times it, the latency from the request
+  to the GPU memory being free (the step's remainder included), and that step's time against
+  the same step with no pause asked (the preparation must not slow training).
 - transparent: an unmodified process holding SIZE bytes frozen and thawed through the driver
   checkpoint API (the CudaCheckpointDriver the daemon uses), compared bitwise with an
   uninterrupted run of the same script.
@@ -169,8 +175,66 @@ def child_cooperative(nbytes: int) -> dict:
     return out
 
 
-def run_child(kind: str, nbytes: int) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", kind, str(nbytes)], capture_output=True,
+def child_ahead(nbytes: int, prepare: bool, ahead_s: float) -> dict:
+    """A cold park whose pause is asked as a step of ~ahead_s seconds starts (see the docstring)."""
+    os.environ.update(GPUSWAP_JOB_ID="bench-parking", GPUSWAP_PINNED_KEEP_S="600",
+                      GPUSWAP_PREFAULT="1" if prepare else "0")
+    for k in ("GPUSWAP_CONTROL", "GPUSWAP_CKPT_DIR", "GPUSWAP_SIMULATED_GPU"):
+        os.environ.pop(k, None)
+    import torch
+
+    import gpuswap
+    from gpuswap.runtime import pinned, prefault
+
+    scope: dict = {}
+    exec(GPU_HASH, scope)
+    torch.manual_seed(0)
+    state = [torch.empty(CHUNK // 4, device="cuda").normal_() for _ in range(nbytes // CHUNK)]
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    before = scope["gpu_hash"](state)
+    torch.cuda.empty_cache()
+
+    def step(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.mm(a, a)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    step(20)
+    k = max(1, int(20 * ahead_s / step(20)))      # matmuls per step of ~ahead_s seconds
+    plain = sorted(step(k) for _ in range(3))[1]
+    job = gpuswap.attach(state=state)
+    job._client = rec = _Recorder()
+    seen: dict = {}
+
+    def resume_when_parked() -> None:
+        while not job.parked:
+            time.sleep(0.0002)
+        seen["free_at"] = time.perf_counter()
+        seen["nvml"] = nvml_used(os.getpid())
+        job.request_resume()
+
+    t = threading.Thread(target=resume_when_parked)
+    t.start()
+    asked = time.perf_counter()
+    job.request_pause("ram")          # as the control thread does when the daemon's pause comes
+    during = step(k)                  # the step the pause arrived in
+    job.safepoint(0)
+    t.join()
+    errors = [m["message"] for m in rec.sent if m["op"] == "error"]
+    if errors:
+        raise RuntimeError(errors[-1])
+    paused = [m for m in rec.sent if m["op"] == "paused"][-1]
+    return {"step_s": plain, "step_during_s": during, "park_s": paused["seconds"],
+            "latency_s": seen["free_at"] - asked, "nvml_parked": seen["nvml"],
+            "prefault": vars(prefault.stats(pinned.pool_for(False))),
+            "bitwise": scope["gpu_hash"](state) == before}
+
+
+def run_child(kind: str, nbytes: int, *extra: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", kind, str(nbytes), *extra], capture_output=True,
                        text=True, timeout=1800)
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["exit " + str(p.returncode)])[-1]}
@@ -239,12 +303,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4,16", help="GiB, comma-separated (default 4,16)")
     ap.add_argument("--steps", type=int, default=300, help="steps of the transparent part's script")
-    ap.add_argument("--child", nargs=2, metavar=("KIND", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument("--ahead-s", type=float, default=0.5,
+                    help="the step a pause arrives in, seconds of GPU work (default 0.5)")
+    ap.add_argument("--parts", default="cooperative,ahead,transparent",
+                    help="which parts to run (default all: cooperative,ahead,transparent)")
+    ap.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         kind, nbytes = a.child[0], int(a.child[1])
-        print(json.dumps({"pinned": child_pinned, "cooperative": child_cooperative}[kind](nbytes)), flush=True)
+        if kind == "ahead":
+            out = child_ahead(nbytes, a.child[2] == "1", float(a.child[3]))
+        else:
+            out = {"pinned": child_pinned, "cooperative": child_cooperative}[kind](nbytes)
+        print(json.dumps(out), flush=True)
         os._exit(0)
+    parts = set(a.parts.split(","))
     from rich.console import Console
     from rich.table import Table
 
@@ -275,8 +348,10 @@ def main() -> int:
         t.add_row(f"{gib:g}", "pinned D2H copy (reference)", f"{ref['d2h_s']:.3f}", gbs(ref["d2h_s"]), "1.00", "", "")
         t.add_row(f"{gib:g}", "pinned H2D copy (reference)", f"{ref['h2d_s']:.3f}", gbs(ref["h2d_s"]), "1.00", "", "")
         t.add_row(f"{gib:g}", "fresh pin_memory=True allocation", f"{ref['alloc_s']:.3f}", "", "", "", "")
-        co = run_child("cooperative", nbytes)
-        if "error" in co:
+        co = run_child("cooperative", nbytes) if "cooperative" in parts else {"skipped": True}
+        if "skipped" in co:
+            pass
+        elif "error" in co:
             t.add_row(f"{gib:g}", "cooperative", co["error"], "", "", "", "")
         else:
             for r, label in ((0, "pool cold"), (1, "pool warm")):
@@ -289,6 +364,23 @@ def main() -> int:
                 ratio = ref["d2h_s"] / x["park_s"]
                 goals.append(f"{gib:g} GiB cooperative park, {label}: {ratio:.2f}x pinned D2H "
                              f"(goal >= {PARK_GOAL}x): {'met' if ratio >= PARK_GOAL else 'NOT met'}")
+        for prep in ((False, True) if "ahead" in parts else ()):
+            label = f"cold park, asked one {a.ahead_s:g} s step ahead, " + ("prepared" if prep else "not prepared")
+            x = run_child("ahead", nbytes, "1" if prep else "0", str(a.ahead_s))
+            if "error" in x:
+                t.add_row(f"{gib:g}", label, x["error"], "", "", "", "")
+                continue
+            t.add_row(f"{gib:g}", label, f"{x['park_s']:.3f}", gbs(x["park_s"]), f"{ref['d2h_s'] / x['park_s']:.2f}",
+                      f"-> {x['nvml_parked'] / GIB:.2f} GiB", "yes" if x["bitwise"] else "NO")
+            t.add_row(f"{gib:g}", "  request -> GPU memory free", f"{x['latency_s']:.3f}", "", "", "", "")
+            t.add_row(f"{gib:g}", f"  step: plain {x['step_s']:.3f} s, with the pause asked",
+                      f"{x['step_during_s']:.3f}", "", f"{x['step_during_s'] / x['step_s']:.2f}x plain", "", "")
+            ratio = ref["d2h_s"] / x["park_s"]
+            goals.append(f"{gib:g} GiB {label}: park {ratio:.2f}x pinned D2H (goal >= {PARK_GOAL}x): "
+                         f"{'met' if ratio >= PARK_GOAL else 'NOT met'}; request -> free {x['latency_s']:.3f} s "
+                         f"(step {x['step_during_s']:.3f} s); prefault {x['prefault']}")
+        if "transparent" not in parts:
+            continue
         if driver is None:
             t.add_row(f"{gib:g}", "transparent", f"n/a: {driver_note}", "", "", "", "")
             continue

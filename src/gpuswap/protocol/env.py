@@ -20,6 +20,7 @@ SIM_CUDA_DIR = "GPUSWAP_SIM_CUDA_DIR"  # simulated GPUs only: the simulated driv
 RESTART_ON_BAD_CHECKPOINT = "GPUSWAP_RESTART_ON_BAD_CHECKPOINT"  # "1": no usable checkpoint -> step 0
 ADOPT_CHECKPOINTS = "GPUSWAP_ADOPT_CHECKPOINTS"  # a job id: resume from that job's checkpoints (checkpoint.py)
 PINNED_KEEP_S = "GPUSWAP_PINNED_KEEP_S"          # seconds an idle pinned host buffer is kept
+PREFAULT = "GPUSWAP_PREFAULT"                    # "0": no host buffers prepared when a pause is asked
 USAGE_INTERVAL_S = "GPUSWAP_USAGE_INTERVAL_S"    # seconds between usage reports (tests shorten it)
 SIM_CONTEXT_BYTES = "GPUSWAP_SIM_CONTEXT_BYTES"  # a simulated CUDA context's size (simcuda.py)
 SLURM = "GPUSWAP_SLURM"                          # "0" keeps the runtime off under Slurm

@@ -58,9 +58,11 @@ class Job:
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
         "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit", "attach_no",
-        "checkpoint_of", "attach_sigs",
+        "checkpoint_of", "attach_sigs", "_expected",
     )
     inside = True
+    prepares_ahead = True   # host buffers prepared when a pause is asked (prefault.py); a rank's
+                            # handle serves its pauses through its own cursor and does not
 
     def __init__(self, items: list[Attached], config: RuntimeConfig,
                  serve_pause: Callable[["Job", str], None] | None = None,
@@ -87,6 +89,7 @@ class Job:
         self._resume_req = False
         self._client: Any = None
         self._last_bytes = 0   # device bytes the attached tensors held when last measured
+        self._expected: Any = None  # ... and their storage sizes (reach.Measured), for prefault.py
         self._measure_req = False
         self._owner = threading.get_ident()  # the training thread (the one that attached)
         self._max_bytes: int | None = None  # cap on a RAM park's bytes (the daemon's RAM budget)
@@ -124,6 +127,7 @@ class Job:
             self._tier_req = tier
             self._max_bytes = max_bytes if tier == "ram" else None
             if self._phase == "running":
+                self._prepare_ahead(tier, self._max_bytes)   # before the flag: the park finds it
                 self._pending = True
             self._cond.notify_all()
 
@@ -134,6 +138,7 @@ class Job:
                 if self._tier_req is None:
                     return
                 self._tier_req, self._pending = None, self._measure_req
+                self._withdraw_ahead()
                 cancelled = True
             else:
                 self._resume_req = True
@@ -153,6 +158,35 @@ class Job:
             self._measure_req = True
             if self._phase == "running":
                 self._pending = True
+
+    def _prepare_ahead(self, tier: str, max_bytes: int | None) -> None:
+        """Have the pool map, fault in and pin the park's host buffers while the step finishes
+        (runtime/prefault.py). Only for a pause that will copy: a RAM pause over its cap with no
+        checkpoint directory to go to fails instead, and so does a disk pause without one.
+        Caller holds the lock, so the training thread cannot start the park before this."""
+        expected = self._expected
+        if not self.prepares_ahead or expected is None or not expected.sizes:
+            return
+        over = max_bytes is not None and sum(expected.sizes) > max_bytes
+        if not self.config.ckpt_dir and (tier == "disk" or over):
+            return
+        from gpuswap.runtime import pinned, prefault
+
+        if prefault.enabled():
+            try:
+                prefault.prepare(pinned.pool_for(self.config.simulated),
+                                 prefault.Expected(expected.sizes, expected.device))
+            except Exception as exc:   # never let a preparation stop the pause itself
+                print(f"gpuswap: preparing host buffers failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+
+    def _withdraw_ahead(self) -> None:
+        """No park will take what `_prepare_ahead` made: back to the pool (idle, then released)."""
+        if not self.prepares_ahead or self._expected is None:
+            return
+        from gpuswap.runtime import pinned, prefault
+
+        prefault.withdraw(pinned.pool_for(self.config.simulated))
 
     def _on_message(self, msg: records.Order) -> None:
         if isinstance(msg, records.Pause):
@@ -178,6 +212,7 @@ class Job:
             else:   # a handle not made by `attach`: it has no park path
                 self.send(records.Error(message=f"park to {tier} failed: no park path"))
         finally:
+            self._withdraw_ahead()    # a park that took it has it; one that failed early did not
             with self._cond:
                 if self._phase != "running":  # a failed park: drop what came in meanwhile
                     self._phase = "running"
@@ -242,10 +277,11 @@ class Job:
 
     def measure(self) -> int:
         """Walk the attached tensors. Training thread only (see the module docstring)."""
-        from gpuswap.runtime.parking import device_bytes
+        from gpuswap.runtime.reach import measure
 
         try:
-            self._last_bytes = device_bytes(iter_tensors(self._items), self.config.simulated)
+            found = measure(iter_tensors(self._items), self.config.simulated)
+            self._last_bytes, self._expected = found.nbytes, found
         except RuntimeError:  # a container changed size under us (a thread of the user's): keep the last
             pass
         # simulated GPUs: what NVML would list
@@ -309,6 +345,9 @@ class Job:
         if self._client is not None:
             self._client.close()
             self._client = None
+        with self._cond:
+            if self._phase == "running" and self._tier_req is not None:
+                self._withdraw_ahead()   # a pause asked and never served: nothing will take it
 
     def exit_requeue(self) -> None:
         """Leave with REQUEUE_EXIT_CODE. SystemExit unwinds the job normally; a watchdog makes

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from gpuswap.runtime import pinned, reach
+from gpuswap.runtime import pinned, prefault, reach
 
 
 class ParkRefused(RuntimeError):
@@ -164,7 +164,8 @@ def copy_to_host(tensors: Iterable[Any], simulated: bool, tier: str = "ram",
     _synchronize(devices)  # kernels on side streams must be done before we read their outputs
     park.pool = pool or pinned.pool_for(simulated)
     cuda = sorted(d.index for d in devices if d.type == "cuda")
-    park.lease = park.pool.take([e.nbytes for _, e in entries], device=cuda[0] if cuda else None)
+    # prepared when the pause was asked, if it is what this park needs (runtime/prefault.py)
+    park.lease = prefault.take(park.pool, [e.nbytes for _, e in entries], cuda[0] if cuda else None)
     try:
         for i, host in park.lease.buffers():
             key, e = entries[i]

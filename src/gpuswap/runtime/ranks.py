@@ -87,6 +87,7 @@ def default_group() -> Optional[tuple[int, int]]:
 class RankJob(Job):
     """The handle of one rank. Construct through `gpuswap.attach`."""
 
+    prepares_ahead = False   # its park follows the ranks' agreement, not `request_pause`
     __slots__ = ("tick", "rank", "world_size", "local_rank", "_cursor", "_regroup", "_park", "_ram_refusal",
                  "_done", "restored_seq", "_payload")
 

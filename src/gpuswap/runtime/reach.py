@@ -107,21 +107,43 @@ def _unwrapped(t: Any, depth: int = 0) -> Iterator[Any]:
         yield t
 
 
-def device_bytes(tensors: Iterable[Any], simulated: bool) -> int:
+@dataclass(frozen=True)
+class Measured:
+    """One walk of the attached tensors: the bytes `device_bytes` reports, and the sizes of the
+    distinct non-empty storages in the order `survey` finds them, with the lowest CUDA device
+    index among them: what a park will ask the host pool for (runtime/prefault.py prepares it
+    when a pause is asked, from another thread that must not walk the tensors itself)."""
+
+    nbytes: int
+    sizes: tuple[int, ...] = ()
+    device: Optional[int] = None
+
+
+def measure(tensors: Iterable[Any], simulated: bool) -> Measured:
     """What `survey(...).nbytes + unreachable_bytes` says, cheaply: it runs at every usage
     measurement of a job that may hold many thousands of tensors."""
     seen: dict[int, int] = {}
     extra = 0
+    device: Optional[int] = None
     for t in tensors:
         for leaf in [t] if _plain(t) else _unwrapped(t):
             if (leaf.device.type != "cpu") if simulated else not leaf.is_cuda:
                 continue
             try:
                 st = leaf.untyped_storage()
-                seen[st._cdata] = st.nbytes()
+                key = st._cdata
+                if key not in seen and not simulated:
+                    index = leaf.device.index
+                    device = index if device is None or index < device else device
+                seen[key] = st.nbytes()
             except Exception:
                 extra += leaf.numel() * leaf.element_size()
-    return sum(seen.values()) + extra
+    return Measured(sum(seen.values()) + extra, tuple(n for n in seen.values() if n), device)
+
+
+def device_bytes(tensors: Iterable[Any], simulated: bool) -> int:
+    """Device bytes held by `tensors`, each storage once (see `measure`)."""
+    return measure(tensors, simulated).nbytes
 
 
 def _leaves(t: Any, depth: int, out: Survey, simulated: bool) -> None:
