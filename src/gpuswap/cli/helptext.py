@@ -75,6 +75,8 @@ JOB_ENVIRONMENT = "\n\n".join((
                                       "GPUSWAP_CKPT_DIR (otherwise another job's are refused)"),
         ("GPUSWAP_PINNED_KEEP_S", "seconds an idle pinned host buffer is kept for the next park "
                                   "(0 to 3600; default 30)"),
+        ("GPUSWAP_PREFAULT", '"0": do not prepare the host buffers of a park when the pause is '
+                             "asked (it uses CPU while the step finishes; default on)"),
     ), 36),
 ))
 

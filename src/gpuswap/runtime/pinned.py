@@ -27,7 +27,8 @@ guard for a device the job already uses: a new thread's current device is 0, and
 not create a context on a GPU the job never touched (nor leave a failed call's error for the
 training thread's next kernel launch to report).
 
-A slab that cannot be pinned stays pageable: the park works, only slower (`Lease.notes` says
+A job's first park need not find the pool cold: runtime/prefault.py takes its lease when the pause
+is asked, while the step still runs. A slab that cannot be pinned stays pageable: the park works, only slower (`Lease.notes` says
 why). Under a simulated GPU no pinner is given and the same layout, reuse and release run on
 pageable memory.
 """
