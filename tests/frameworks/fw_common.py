@@ -23,8 +23,8 @@ def params_sha256(model: torch.nn.Module) -> str:
 class PauseAt:
     """Pauses asked for from inside the job, as a supervisor message would (from another
     thread): `$FW_PAUSES` is e.g. "ram:10,disk:16" (tier:step). For ram, a second thread checks
-    the attached memory was really released while parked, then resumes the job. A restored run
-    asks for nothing."""
+    the attached memory was really released while parked, then resumes the job; "spill" parks in
+    RAM, then asks for disk while parked (exit 75). A restored run asks for nothing."""
 
     def __init__(self) -> None:
         self.plan = {int(at): tier for tier, _, at in
@@ -36,11 +36,20 @@ class PauseAt:
         if tier is None or not getattr(job, "inside", False) or job.restored_step is not None:
             return
         before = job.device_bytes()
-        t = threading.Thread(target=job.request_pause, args=(tier,))
+        t = threading.Thread(target=job.request_pause, args=("ram" if tier == "spill" else tier,))
         t.start()
         t.join()
         if tier == "ram":
             threading.Thread(target=self._resume_when_parked, args=(job, before), daemon=True).start()
+        elif tier == "spill":   # parked in RAM, then moved to disk from the host copies (exit 75)
+            threading.Thread(target=self._spill_when_parked, args=(job, before), daemon=True).start()
+
+    def _spill_when_parked(self, job: Any, before: int) -> None:
+        """What a daemon short of host RAM does to a RAM-parked job: a disk pause while parked."""
+        while not job.parked:
+            time.sleep(0.005)
+        job.state.setdefault("fw_parked_bytes", []).append(before - job.device_bytes())
+        job.request_pause("disk")
 
     def _resume_when_parked(self, job: Any, before: int) -> None:
         while not job.parked:

@@ -54,11 +54,11 @@ def run_all(script: str, tmp: Path, plans: list[str],
     first = {"baseline": (_start(script, tmp / "baseline.json", None, "", env), tmp / "baseline.json", 0)}
     for plan in plans:
         first[plan] = (_start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan, env),
-                       tmp / f"{plan}.json", 75 if "disk" in plan else 0)
+                       tmp / f"{plan}.json", 75 if "disk" in plan or "spill" in plan else 0)
     results = {name: _finish(p, out, rc) for name, (p, out, rc) in first.items()}
     second = {}
     for plan in plans:
-        if "disk" in plan:
+        if "disk" in plan or "spill" in plan:
             assert list((tmp / f"ckpt-{plan}").glob("ckpt-*.json")), "the disk park left no checkpoint"
             second[plan] = _start(script, tmp / f"{plan}.json", tmp / f"ckpt-{plan}", plan, env)
     for plan, p in second.items():
@@ -69,7 +69,8 @@ def run_all(script: str, tmp: Path, plans: list[str],
 def check_mixed_precision_on_gpu(script: str, tmp: Path, pauses: dict[str, int]) -> None:
     """The job on CUDA in 16-bit mixed precision (`FW_ACCEL=gpu`): every pause plan (plan -> the
     step its disk park was at) ends with the uninterrupted run's parameters bitwise, its loss scale
-    (the GradScaler's, a CUDA tensor) and learning rate; the first plan's RAM park freed memory."""
+    (the GradScaler's, a CUDA tensor) and learning rate; the first plan's RAM park freed memory.
+    A spill plan exits 75 like a disk park: the unwinding after it found its tensors whole."""
     r = run_all(script, tmp, list(pauses), env={"FW_ACCEL": "gpu"})
     base = r["baseline"]
     assert base["global_step"] == 36 and base["scale"] is not None

@@ -18,6 +18,7 @@ BATCH = 8
 
 PLAN = "ram:10,disk:16"  # a RAM park at step 10, then a disk park mid-epoch 1 at step 16
 END = "disk:23"  # the last step of epoch 1: served at the next epoch's start
+SPILL = "spill:10"  # parked in RAM at step 10, then written to disk from the host copies
 
 
 @pytest.fixture(scope="module")
@@ -114,4 +115,4 @@ def test_fp16_on_a_gpu_parks_and_resumes_bitwise(tmp_path) -> None:
     """The same Trainer on CUDA with fp16=True (its GradScaler, whose scale is a CUDA tensor) and
     full_determinism: RAM then disk parks end bitwise equal to the uninterrupted run, at the same
     loss scale."""
-    check_mixed_precision_on_gpu(JOB, tmp_path, {PLAN: 16, END: 23})
+    check_mixed_precision_on_gpu(JOB, tmp_path, {PLAN: 16, END: 23, SPILL: 10})

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow   # runs first (tests/conftest.py)
 
 JOB = "lightning_job.py"  # 3 epochs x 12 batches; shuffled loader, dropout, AdamW, StepLR per step
 MID, END = "ram:10,disk:16", "disk:23"  # step 16: mid-epoch 1; step 23: last batch of epoch 1
+SPILL = "spill:10"  # parked in RAM at step 10, then written to disk from the host copies
 
 
 @pytest.fixture(scope="module")
@@ -39,4 +40,4 @@ def test_mixed_precision_on_a_gpu_parks_and_resumes_bitwise(tmp_path) -> None:
     """The same fit on CUDA in 16-bit mixed precision: the GradScaler's scale (a CUDA tensor) and
     its growth tracker are parked and restored with the rest, so RAM and disk parks end bitwise
     equal to the uninterrupted fit, at the same loss scale."""
-    check_mixed_precision_on_gpu(JOB, tmp_path, {MID: 16, END: 23})
+    check_mixed_precision_on_gpu(JOB, tmp_path, {MID: 16, END: 23, SPILL: 10})

@@ -281,6 +281,32 @@ def restore(park: RamPark, simulated: bool) -> float:
     return time.perf_counter() - t0
 
 
+def leave_on_host(park: RamPark, tensors: Iterable[Any]) -> int:
+    """Point every parked tensor whose device memory was freed at its bytes in the host copy (a
+    CPU tensor, same object, same view); how many were moved. For a process about to exit after
+    a spill (a RAM park later written to disk): the unwinding runs the job's own code, and on an
+    H100 Lightning's teardown (`_optimizers_to_device(cpu)`) failed with "CUDA error: invalid
+    argument" on a freed tensor, exit 1 instead of 75. The device memory cannot come back (the
+    GPU is someone else's now), so the tensors leave on the host, whole. Training thread only."""
+    if not park.released:
+        return 0
+    import torch
+
+    moved = 0
+    for slot in park.slots.values():      # freed by pointing each user at a placeholder
+        if not slot.resizable:
+            for u, (offset, size, stride) in slot.users:
+                u.data = torch.empty(0, dtype=u.dtype).set_(slot.host.untyped_storage(), offset, size, stride)
+                moved += 1
+    for t in tensors:
+        for leaf in reach.leaves(t):
+            view = park.host_view(leaf)     # resized to zero: still their storage, looked up by it
+            if view is not None:
+                leaf.data = view
+                moved += 1
+    return moved
+
+
 def drop_host(park: RamPark) -> None:
     """Forget the host copies: their buffers go back to the pool, which unpins and frees them
     later on its own thread (never inside a timed resume)."""

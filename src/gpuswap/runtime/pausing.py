@@ -64,9 +64,11 @@ def _park(job: "Job", tier: str, want_payload: bool) -> tuple[parking.RamPark, d
     return park, payload
 
 
-def _spill(job: "Job", payload: dict[str, Any], note: str | None = None) -> Exception:
+def _spill(job: "Job", payload: dict[str, Any], note: str | None = None,
+           released: parking.RamPark | None = None) -> Exception:
     """Write the checkpoint and exit 75; returns (the error) only if writing failed. `note`: why
-    a RAM pause became this disk park (the daemon's event says it)."""
+    a RAM pause became this disk park (the daemon's event says it). `released`: the RAM park this
+    spills, whose freed tensors leave on the host (`parking.leave_on_host`) before the exit."""
     t0 = time.perf_counter()
     try:
         info = checkpoint.write_checkpoint(job.config.ckpt_dir, payload, job.step, job.config.job_id)
@@ -74,6 +76,11 @@ def _spill(job: "Job", payload: dict[str, Any], note: str | None = None) -> Exce
         return exc
     job.send(records.Checkpointed(path=os.path.join(job.config.ckpt_dir, info.payload), bytes=info.bytes,
                                   seconds=round(time.perf_counter() - t0, 6), step=job.step, note=note or None))
+    if released is not None:
+        try:
+            parking.leave_on_host(released, objects.iter_tensors(job.items))
+        except Exception as exc:          # the checkpoint is committed: leave anyway
+            print(f"gpuswap: moving parked tensors to the host before exit failed: {exc}", file=sys.stderr, flush=True)
     job.exit_requeue()
     raise AssertionError("unreachable")
 
@@ -127,7 +134,7 @@ def serve(job: "Job", tier: str) -> None:
                             step=job.step))
     while True:
         if job.wait_request() == "disk":
-            _error(job, "disk checkpoint", _spill(job, payload))  # on failure stay parked
+            _error(job, "disk checkpoint", _spill(job, payload, released=park))  # on failure stay parked
             continue
         t1 = time.perf_counter()
         if _unpark_or_report(job, park):

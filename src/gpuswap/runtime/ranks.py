@@ -216,6 +216,12 @@ class RankJob(Job):
                 return True, commit_parts(self, self._cursor.parts)
             if action == EXIT:
                 self._done = True            # not `done`: the job is checkpointed, not finished
+                if self._park is not None:   # a spill: its freed tensors leave on the host, whole
+                    try:
+                        parking.leave_on_host(self._park, objects.iter_tensors(self.items))
+                    except Exception as exc:
+                        print(f"gpuswap: rank {self.rank}: moving parked tensors to the host failed: {exc}",
+                              file=sys.stderr, flush=True)
                 self.exit_requeue()          # SystemExit: not caught below
             raise RuntimeError(f"unknown action {action!r}")
         except Exception as exc:

@@ -98,6 +98,11 @@ def _plain(t: Any) -> bool:
     return type(t) in _PLAIN
 
 
+def leaves(t: Any) -> Iterator[Any]:
+    """`t`, or the inner tensors holding a wrapper subclass's memory."""
+    return iter((t,)) if _plain(t) else _unwrapped(t)
+
+
 def _unwrapped(t: Any, depth: int = 0) -> Iterator[Any]:
     """The tensors holding a wrapper's memory (a non-traceable one stands for itself)."""
     if depth < MAX_DEPTH and not _plain(t) and is_wrapper(t):
