@@ -87,10 +87,12 @@ def test_a_withdrawn_preparation_goes_back_to_the_pool_and_is_released():
     pinner = RecordingPinner()
     pool = pinned.HostPool(pinner, keep_s=0)
     prefault.prepare(pool, prefault.Expected((MiB, 2 * MiB), None))
+    lease = prefault.pending(pool)
     assert prefault.withdraw(pool) and prefault.pending(pool) is None
     assert not prefault.withdraw(pool)                   # once
-    _until(lambda: pool.stats().leased_bytes == 0)
-    assert pool.wait_released(timeout=60)                # keep_s=0: released right away
+    _until(lambda: not pool.holds(lease))                # given back once its pins are done
+    _until(lambda: len(pinner.unpinned) == 1)            # keep_s=0: released right away
+    assert pool.wait_released(timeout=60)
     assert sorted(pinner.unpinned) == sorted(pinner.pinned) and len(pinner.pinned) == 1
     assert prefault.stats(pool).withdrawn == 1
 
@@ -162,7 +164,7 @@ def test_job_pause_withdrawn_before_the_safepoint_gives_the_lease_back(sim_env):
     job.request_resume()
     assert sim_env.expect("resumed") == {"op": "resumed", "bytes": 0, "seconds": 0.0}
     assert prefault.pending(pool) is None and prefault.stats(pool).withdrawn == withdrawn + 1
-    _until(lambda: pool.stats().leased_bytes == 0)       # idle: released after keep_s
+    _until(lambda: not pool.holds(lease))                # idle: released after keep_s
     job.safepoint(1)
     assert not job.parked
     # a RAM pause over the job's cap, with no checkpoint directory to go to, prepares nothing

@@ -315,6 +315,11 @@ class HostPool:
             self._idle.extend(slabs)
             self._wake()
 
+    def holds(self, lease: Lease) -> bool:
+        """Whether `lease` is still out (not given back)."""
+        with self._cond:
+            return id(lease) in self._leased
+
     # -- release (background thread) -------------------------------------------------------
     def release_idle(self) -> None:
         """Release every idle slab now (still on the background thread)."""
