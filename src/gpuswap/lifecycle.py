@@ -57,6 +57,7 @@ class EventKind(str, enum.Enum):
     RESUME_REQUESTED = "resume_requested"  # a user's hold dropped (API)
     CANCEL_REQUESTED = "cancel_requested"
     RESTORE_DEFERRED = "restore_deferred"  # a thaw waits for room on its GPUs
+    PUT_BACK = "put_back"                  # what a freeze given up on took is given back (restore, unlock)
     ABORTING = "aborting"                  # the daemon stops a job that cannot go on; it ends FAILED
     WAITING = "waiting"                    # why a pending or paused job waits (the policy's reason)
     STEP_FAILED = "step_failed"            # gpuswap failed a step for this job; it retries
@@ -112,7 +113,7 @@ EDGES: tuple[Edge, ...] = (
     *_each(STARTED, K.CANCELLED, CANCELLED),
 )
 NOTES = frozenset({K.PAUSE_REQUESTED, K.PAUSE_DEFERRED, K.PAUSE_REFUSED, K.RESUME_REQUESTED, K.CANCEL_REQUESTED,
-                   K.RESTORE_DEFERRED, K.ABORTING, K.WAITING, K.STEP_FAILED})
+                   K.RESTORE_DEFERRED, K.PUT_BACK, K.ABORTING, K.WAITING, K.STEP_FAILED})
 _TARGET = {(e.source, e.kind): e.target for e in EDGES}
 _MOVES = frozenset(e.kind for e in EDGES)
 

@@ -131,7 +131,8 @@ def test_a_process_its_user_stopped_is_not_frozen_and_the_daemon_goes_on(make_da
     """The real driver answers nothing about a SIGSTOPped process (an H100, driver 580.159.04: no
     answer in 15 s, at once after SIGCONT), and the simulated one blocks the same way. A user may
     stop their own job's CUDA process: a pause of it is refused with the reason, and the daemon's
-    control loop is never held up by it (another job starts and ends meanwhile)."""
+    control loop is never held up by it (another job starts and ends meanwhile). Once continued
+    the job can be frozen again: the refusal was the stop, not the job."""
     daemon = make_daemon("--simulate-gpus", "2x80GiB", "--min-runtime", "1")
     gate, other_gate = Gate(home / "go"), Gate(home / "other-go")
     cmd, ready = fake(home, GiB, gate)
@@ -151,6 +152,13 @@ def test_a_process_its_user_stopped_is_not_frozen_and_the_daemon_goes_on(make_da
         assert daemon.cli("wait", str(other)).returncode == 0
     finally:
         os.kill(proc["pid"], signal.SIGCONT)
+    # Refused for the stop alone: once continued (and what the driver took put back) it can be frozen.
+    daemon.until(job, lambda j: j["transparent_refused"] is None)
+    assert daemon.cli("pause", str(job)).returncode == 0
+    j = daemon.until(job, lambda j: j["state"] == "PAUSED" or "cannot freeze" in j["reason"])
+    assert j["state"] == "PAUSED" and j["mechanism"] == "transparent", j["reason"]
+    assert daemon.cli("resume", str(job)).returncode == 0
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and j["parked"] is None)
     gate.open()
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
 

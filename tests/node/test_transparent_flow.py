@@ -117,6 +117,9 @@ class Applied:
     def thawing(self, job, obs, now) -> None:
         self._apply(job, self.freezer.thawing(job, obs, now))
 
+    def undoing(self, job, obs, now) -> None:
+        self._apply(job, self.freezer.undoing(job, obs, now))
+
 
 def run_dirs(tmp_path: Path):
     def run_dir(job_id: int, generation: int) -> Path:
@@ -175,12 +178,57 @@ def test_checkpoint_failure_unlocks_and_keeps_running(world):
     store, job_id, pid, gpus, driver, freezer = world
     driver.fail["checkpoint"] = "CUDA_ERROR_NOT_SUPPORTED"
     job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
-    deadline = time.monotonic() + 60        # the undo runs off the control loop (StateQueries.undo)
-    while driver.state(pid) != "running" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert [c[0] for c in driver.calls if c[0] != "state"] == ["lock", "checkpoint", "unlock"]
-    assert driver.state(pid) == "running"
     assert "CUDA_ERROR_NOT_SUPPORTED" in job.transparent_refused
+    assert driver.state(pid) == "locked"            # put back by the running job's reconcile (undoing)
+    drive(store, job_id, freezer, pid, "undoing", False, lambda j: j.reason.startswith("put back"))
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint", "unlock"]
+    assert "put back after a freeze given up on" in events(store, job_id)[-1]
+    assert "unlocked CUDA process" in events(store, job_id)[-1]
+    assert store.get(job_id).transparent_refused == job.transparent_refused     # a driver refusal stays
+
+
+def test_a_freeze_given_up_on_is_put_back_by_a_fresh_freezer_once_continued(world):
+    """Checkpointed, then its user stops it: refused. The freezer that refused it is gone (a daemon
+    restart); a fresh one, keyed on the record kept beside the job, asks nothing while the process
+    is stopped, then restores and unlocks it once continued, once, saying so, and lifts the
+    refusal (it was the stop alone): the job can be frozen again."""
+    import os
+    import signal
+
+    from gpuswap.node.freezer import Freezer
+    store, job_id, pid, gpus, driver, freezer = world
+    real_checkpoint = driver.checkpoint
+
+    def checkpoint_then_stopped(p):
+        real_checkpoint(p)
+        os.kill(p, signal.SIGSTOP)
+        while open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.005)
+    driver.checkpoint = checkpoint_then_stopped
+    try:
+        job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+        assert "is stopped by a signal" in job.transparent_refused and driver.state(pid) == "checkpointed"
+        assert events(store, job_id)[-1].endswith("frozen transparently again only once it is continued")
+        fresh = Applied(store, Freezer(driver, gpus, freezer.run_dir))
+        asked = len(driver.calls)
+        for _ in range(3):
+            fresh.undoing(store.get(job_id), Observation({"job_pid": pid, "stopped": False}, True, 0.0), time.time())
+        assert len(driver.calls) == asked and driver.state(pid) == "checkpointed"   # nothing asked while stopped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        driver.checkpoint = real_checkpoint
+    job = drive(store, job_id, fresh, pid, "undoing", False,
+                lambda j: driver.state(pid) == "running" and j.transparent_refused is None)
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint", "restore", "unlock"]
+    put_back = [e for e in events(store, job_id) if e.startswith("put back")]
+    assert len(put_back) == 1 and "restored and unlocked CUDA process" in put_back[0], put_back
+    assert put_back[0].endswith("it can be frozen transparently again")
+    fresh.undoing(job, Observation({"job_pid": pid, "stopped": False}, True, 0.0), time.time())
+    assert len([e for e in events(store, job_id) if e.startswith("put back")]) == 1      # once per need
+    store.update(job_id, time.time(), state=JobState.PAUSING, mechanism="transparent", desired_tier="ram",
+                 event=NewEvent(EventKind.PARK_STARTED, "freezing through the driver"))
+    job = drive(store, job_id, fresh, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
+    assert job.parked == "ram"
 
 
 def test_several_cuda_processes_are_refused_without_touching_the_driver(world):
@@ -361,3 +409,13 @@ def test_state_queries_wait_once_for_a_process_stopped_with_a_question_in_flight
         answer.set()
         proc.kill()
         proc.wait()
+
+
+def test_one_process_on_two_gpus_is_one_process_to_freeze(world):
+    """NVML lists a process once per GPU it uses: the record holds it twice, and counting it twice
+    once read as 'a CUDA process of the job exited during the freeze', refusing every such job."""
+    store, job_id, pid, gpus, driver, freezer = world
+    gpus.procs[1] = (GpuProcess(pid, 2**30),)
+    job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state != JobState.PAUSING)
+    assert job.state == JobState.PAUSED and job.parked_bytes == 4 * 2**30, events(store, job_id)[-1]
+    assert [c[0] for c in driver.calls] == ["lock", "checkpoint"]

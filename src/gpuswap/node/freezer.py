@@ -12,9 +12,12 @@ one process in NVML's list) is refused before any driver call: ranks of one grou
 memory, which cuda-checkpoint does not checkpoint (policy/capability.py, docs/transparent.md).
 
 Every failure ends in a defined state with its reason: a lock that times out or a driver that
-refuses leaves the job RUNNING (what was taken is put back) and not preempted transparently
-again; a process that exits while frozen ends by its exit code; a failed restore, which the
-driver cannot retry (NVIDIA/cuda-checkpoint#44), ends the job FAILED rather than leaving it stuck.
+refuses leaves the job RUNNING and not preempted transparently again (a process its user stopped:
+until it is continued); a process that exits while frozen ends by its exit code; a failed
+restore, which the driver cannot retry (NVIDIA/cuda-checkpoint#44), ends the job FAILED rather
+than leaving it stuck. What a freeze given up on took is put back level-triggered (`undoing`):
+the freeze's record stays beside the RUNNING job, marked, until the driver holds nothing of it,
+so a daemon restarted while the user's process was stopped still unlocks it.
 """
 from __future__ import annotations
 
@@ -135,6 +138,8 @@ class Freezer:
     def freezing(self, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
         pid, error = self._ready(job, obs)
         rec = FreezeRecord.load(self._path(job))
+        if rec is not None and rec.refused is not None:     # given up before a restart: record it again
+            return self._refuse(job, now, rec.refused, rec, rec.retry)
         if error is not None and pid:
             return self._refuse(job, now, error, rec)
         if not pid:
@@ -168,7 +173,9 @@ class Freezer:
             return self._refuse(job, now, "a CUDA process of the job exited during the freeze", rec)
         try:
             states = [self.queries.state(p) for p in pids]
-        except CheckpointError as e:         # Unanswered too: a process its user stopped is not frozen
+        except Unanswered as e:              # a process its user stopped is not frozen, for now
+            return self._refuse(job, now, e, rec, retry=e.stopped)
+        except CheckpointError as e:
             return self._refuse(job, now, e, rec)
         step = next_freeze_step(states)
         if step == "lock":
@@ -196,20 +203,88 @@ class Freezer:
                            f"process {', '.join(map(str, rec.pids))} moved to host RAM by the driver (lock "
                            f"{t.get('lock', 0):.2f} s, checkpoint {t.get('checkpoint', 0):.2f} s), process tree stopped"))
 
-    def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord]) -> Transition:
-        """Give up on freezing this job: put back what was taken (restore, unlock), keep it running, say why."""
+    def _refuse(self, job: JobRecord, now: float, error: Any, rec: Optional[FreezeRecord],
+                retry: bool = False) -> Transition:
+        """Give up on freezing this job: keep it running, say why. What the driver took is put back
+        by `undoing` (restore, unlock), keyed on the record kept here, marked: a process stopped by
+        its user is answered for only once continued, maybe by a later daemon. `retry`: refused
+        only because it was stopped; once put back it may be frozen again."""
         why = f"lock timed out after {LOCK_TIMEOUT_MS / 1000:.0f} s" if getattr(error, "timed_out", False) else str(error)
-        if rec is not None and rec.alive():
-            # Off the loop: a restore takes seconds, and a process stopped by a signal is not
-            # answered for until it is continued: by the supervisor (stopped=False below) if it
-            # stopped it, else by whoever did (its user).
-            self.queries.undo(rec.alive())
-        self._forget(job)
+        if rec is not None:
+            if rec.refused is None:
+                FreezeRecord(rec.processes, rec.checkpointed, why, retry).save(self._path(job))
+        else:
+            self._forget(job)
         self._timings.pop(job.id, None)
+        then = ("frozen transparently again only once it is continued" if retry
+                else "not parked transparently again")
         return Transition(now, dict(state=JobState.RUNNING, stopped=False, hold=False, transparent_refused=why,
                                     desired="running", desired_tier=None),
-                          event=NewEvent(K.CANNOT_FREEZE, f"cannot freeze transparently ({why}): left running; not "
-                                                          "parked transparently again", tier="ram"))
+                          event=NewEvent(K.CANNOT_FREEZE, f"cannot freeze transparently ({why}): left running; {then}",
+                                         tier="ram"))
+
+    # -- undo -------------------------------------------------------------------------------
+    def undoing(self, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
+        """A RUNNING job whose freeze was given up on: put back what the driver holds of its CUDA
+        processes (restore a checkpointed one, then unlock), one step per tick off the loop, as
+        thawing does. Keyed on the freeze's record beside the job (controller: Facts.freeze_record),
+        so a daemon restarted meanwhile still does it, and no other running job costs a driver
+        call. A stopped process is not asked (StateQueries): the job waits until it is continued."""
+        pid, error = self._ready(job, obs)
+        rec = FreezeRecord.load(self._path(job))
+        if rec is None or rec.refused is None:
+            # A record without the mark beside a RUNNING job: its freeze or thaw ended, recorded,
+            # and the file was left (the thaw forgets it first): nothing to undo.
+            self._forget(job)
+            return None
+        if error is not None:
+            self._forget(job)
+            self._timings.pop(job.id, None)
+            return self._abort(job, now, f"could not put back what the driver held after the freeze was given up "
+                                         f"({error}); the driver cannot retry a failed restore")
+        if not pid:
+            return None
+        alive, states = rec.alive(), []
+        for p in alive:
+            try:
+                states.append(self.queries.state(p))
+            except Unanswered:
+                return None       # stopped by its user: the refusal said it waits for the SIGCONT
+            except CheckpointError:
+                states.append(RUNNING)      # no CUDA state (left): the driver holds nothing of it
+        step = next_thaw_step(states) if states else "done"
+        if step == "restore":
+            short = room_for(self.gpus, rec.bytes_by_gpu())
+            if short:
+                if not job.reason.startswith("waiting for room"):
+                    return Transition(now, event=NewEvent(K.RESTORE_DEFERRED, f"waiting for room before putting "
+                                                                              f"back a freeze given up on: {short}"))
+                return None
+            self._run(job, "restore", [p for p, s in zip(alive, states) if s == CHECKPOINTED],
+                      lambda p: self.driver.restore(p, None))
+        elif step == "unlock":
+            self._run(job, "unlock", [p for p, s in zip(alive, states) if s == LOCKED], self.driver.unlock)
+        elif step == "done":
+            self._forget(job)
+            return self._put_back(job, now, rec, self._timings.pop(job.id, {}))
+        else:
+            self._forget(job)
+            return self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
+        return None
+
+    def _put_back(self, job: JobRecord, now: float, rec: FreezeRecord, t: dict[str, float]) -> Optional[Transition]:
+        """The event of an undo: what was put back and why; and the refusal lifted if it was the stop."""
+        done = [step for step in ("restore", "unlock") if step in t]
+        again = rec.retry and job.transparent_refused == rec.refused
+        if not done and not again:
+            return None
+        verbs = {"restore": "restored", "unlock": "unlocked"}
+        what = (f"{' and '.join(verbs[d] for d in done)} CUDA process {', '.join(map(str, rec.pids))}{_sim(self.gpus)} "
+                f"({', '.join(f'{d} {t[d]:.2f} s' for d in done)})" if done else "the driver held nothing of it")
+        lead = "put back after" if done else "after"
+        return Transition(now, dict(transparent_refused=None) if again else {}, NewEvent(
+            K.PUT_BACK, f"{lead} a freeze given up on ({rec.refused}): {what}"
+                        + ("; it can be frozen transparently again" if again else "")))
 
     # -- thaw -------------------------------------------------------------------------------
     def thawing(self, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:

@@ -39,12 +39,15 @@ class Facts:
     obs: Optional[Observation]                    # its supervisor's status; None: not read (no process)
     residue: Mapping[int, int] = field(default_factory=dict)  # NVML after a RAM park (`wants_residue`)
     orphans: int = 0             # processes left of a job whose supervisor died (sessions.alive)
+    # A RUNNING job's freeze record is kept beside it (node/transparent.py FreezeRecord): a freeze
+    # given up on may have left its CUDA processes locked or checkpointed in the driver.
+    freeze_record: bool = False
 
 
 @dataclass(frozen=True)
 class Verdict:
     transitions: tuple[Transition, ...] = ()
-    driver: Optional[Literal["freezing", "thawing"]] = None   # then the freezer goes on from here
+    driver: Optional[Literal["freezing", "thawing", "undoing"]] = None   # then the freezer goes on from here
 
 
 def reads_status(job: JobRecord) -> bool:
@@ -99,6 +102,9 @@ def decide(job: JobRecord, facts: Facts, now: float, rules: Rules) -> Verdict:
         return Verdict(tuple(out))
     if job.mechanism == "transparent" and job.state in (PG, RS):
         return Verdict(tuple(out), "freezing" if job.state == PG else "thawing")
+    if job.state == R and facts.freeze_record:
+        # Desired and recorded running, but the driver may hold it: the freezer puts it back.
+        return Verdict(tuple(out), "undoing")
     step = (_pausing(job, rt, obs, facts.residue, now, rules) if job.state == PG
             else _resuming(job, rt, now) if job.state == RS else None)
     return Verdict(tuple(out) + ((step,) if step is not None else ()))

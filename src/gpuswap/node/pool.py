@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from gpuswap.jobs import JobState
 from gpuswap.node import observe, residue, sessions
 from gpuswap.node.cuda_ckpt import Capability, CheckpointDriver
 from gpuswap.node.freezer import Freezer
@@ -29,6 +30,7 @@ from gpuswap.node.launcher import Launcher, Observation, cwd_problem
 from gpuswap.node.records import JobRecord
 from gpuswap.node.transition import Effect, Transition, perform
 from gpuswap.node.transparent import job_cuda_processes
+from gpuswap.protocol import rundir
 from gpuswap.protocol.rundir import Desired
 
 log = logging.getLogger("gpuswap.pool")
@@ -69,7 +71,8 @@ class Node(abc.ABC):
 
     @abc.abstractmethod
     def driver_step(self, step: str, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
-        """The freezer's next move ("freezing" or "thawing") for a transparently parked job."""
+        """The freezer's next move ("freezing" or "thawing") for a transparently parked job, or
+        ("undoing") for a running one a freeze given up on may have left held by the driver."""
 
     @abc.abstractmethod
     def effect(self, job_id: int, effect: Effect) -> None:
@@ -117,6 +120,10 @@ def node_facts(launcher: Launcher, gpus: GpuInventory, job: JobRecord) -> observ
     if obs.exit is None and not obs.alive and pid is not None and pid > 1:
         uid = sessions.job_uid(job.uid)
         return observe.Facts(obs, orphans=sessions.alive(pid, obs.job_start_ticks, uid, obs.rank_pids))
+    if job.state == JobState.RUNNING and obs.exit is None:
+        # One stat per running job, no driver call: only a job whose freeze left its record (a
+        # freeze given up on) is asked about (observe.decide -> Freezer.undoing).
+        return observe.Facts(obs, freeze_record=(launcher.run_dir(job.id, job.generation) / rundir.TRANSPARENT).exists())
     return observe.Facts(obs)
 
 
@@ -148,7 +155,7 @@ class LocalNode(Node):
         return bool(pid) and bool(job_cuda_processes(pid, self.inventory))
 
     def driver_step(self, step: str, job: JobRecord, obs: Observation, now: float) -> Optional[Transition]:
-        if step not in ("freezing", "thawing"):
+        if step not in ("freezing", "thawing", "undoing"):
             raise ValueError(f"no driver step {step!r}")
         return getattr(self.freezer, step)(job, obs, now)
 

@@ -9,7 +9,6 @@ their results.
 """
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as NoAnswerYet
 from dataclasses import asdict, dataclass
@@ -48,10 +47,19 @@ class FreezeRecord:
     before the checkpoint (afterwards NVML lists neither) and kept in the run directory, so that
     every later tick, thaw and daemon restart uses them rather than a fresh NVML look-up.
     `checkpointed`: every process was checkpointed before the process tree was stopped (once it
-    is stopped the driver is not asked: its calls need the process's own threads to run)."""
+    is stopped the driver is not asked: its calls need the process's own threads to run).
+
+    Written before the first lock, it is also the durable fact that the driver may hold the job:
+    a freeze given up on keeps it, marked `refused` (why), until what the driver holds is put back
+    (Freezer.undoing). A process its user stopped is answered for only once continued, so that
+    can take any time, across daemon restarts; without the file a restarted daemon had no reason
+    to ask the driver about a RUNNING job, and its locked process hung at its next CUDA call.
+    `retry`: the refusal was only the stop, so the job may be frozen again once put back."""
 
     processes: tuple[CudaProcess, ...]
     checkpointed: bool = False
+    refused: Optional[str] = None
+    retry: bool = False
 
     @property
     def pids(self) -> list[int]:
@@ -69,10 +77,11 @@ class FreezeRecord:
 
     def alive(self) -> list[int]:
         """The recorded processes that still exist as themselves (not a reused pid)."""
-        return [c.pid for c in self.processes if start_ticks(c.pid) == c.start]
+        return sorted({c.pid for c in self.processes if start_ticks(c.pid) == c.start})
 
     def save(self, path: Path) -> None:
-        atomic_write_json(path, {"processes": [asdict(c) for c in self.processes], "checkpointed": self.checkpointed})
+        atomic_write_json(path, {"processes": [asdict(c) for c in self.processes], "checkpointed": self.checkpointed,
+                                 "refused": self.refused, "retry": self.retry})
 
     @classmethod
     def load(cls, path: Path) -> Optional["FreezeRecord"]:
@@ -82,7 +91,9 @@ class FreezeRecord:
                 return None
             procs = tuple(CudaProcess(int(c["pid"]), int(c["start"]), int(c["gpu"]), int(c["nbytes"]))
                           for c in d["processes"])
-            return cls(procs, bool(d.get("checkpointed")))
+            refused = d.get("refused")
+            return cls(procs, bool(d.get("checkpointed")), None if refused is None else str(refused),
+                       bool(d.get("retry")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -154,7 +165,12 @@ ANSWER_S = 5.0
 
 
 class Unanswered(CheckpointError):
-    """The driver was not asked, or gave no answer in time: the process is stopped by a signal."""
+    """The driver was not asked, or gave no answer in time: the process is stopped by a signal.
+    `stopped`: it was seen stopped (/proc), not merely slow to answer."""
+
+    def __init__(self, call: str, code: str, stopped: bool = False):
+        super().__init__(call, code)
+        self.stopped = stopped
 
 
 class StateQueries:
@@ -180,7 +196,7 @@ class StateQueries:
         # of a thaw waited answer_s for a process still stopped.
         if (f is None or not f.done()) and stopped(pid):
             raise Unanswered("cuCheckpointProcessGetState", f"process {pid} is stopped by a signal "
-                             f"(SIGSTOP): the driver answers nothing about a stopped process")
+                             f"(SIGSTOP): the driver answers nothing about a stopped process", stopped=True)
         if f is None:
             if len(self._pending) >= self.workers:
                 self._reap()
@@ -201,24 +217,6 @@ class StateQueries:
             raise CheckpointError("cuCheckpointProcessGetState", repr(e)) from None
         del self._pending[pid]
         return answer
-
-    def undo(self, pids: list[int]) -> None:
-        """Put back what a freeze given up on took (restore, unlock), best effort, on a thread of
-        its own: a process its user stopped is answered for only once continued, and undos in
-        the pool once held every worker, so that another job's freeze got no answer and was
-        refused for good. One thread per refused freeze; a job is refused once."""
-        def run() -> None:
-            for pid in pids:
-                try:
-                    state = self.driver.state(pid)
-                    if state == CHECKPOINTED:
-                        self.driver.restore(pid, None)
-                        state = LOCKED
-                    if state == LOCKED:
-                        self.driver.unlock(pid)
-                except Exception:
-                    pass
-        threading.Thread(target=run, name="ckpt-undo", daemon=True).start()
 
     def _reap(self) -> None:
         for pid in [p for p, f in self._pending.items() if f.done()]:
