@@ -211,3 +211,33 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
                 assert spec.orders(waiting, c) == [spec.order(j, c) for j in waiting], spec.name
             if spec.running_levels:
                 assert spec.running_levels(running, c) == [spec.level(j, c) for j in running], spec.name
+
+
+def test_gpuswap_benefit_rank_written_out_equals_its_rules():
+    """`_gs_benefit_rank` writes `starving`, `own_band` and `expected_left` out where no class limit
+    holds (a full round asks it of every job it passes over): the same (group, rank) as the rules,
+    for waiting jobs starving or not, of several widths, with and without live estimates."""
+    import random
+
+    from gpuswap.policy.classes import Limits
+    from gpuswap.policy.gpuswap import GPUSWAP, expected_left, own_band
+    from gpuswap.policy.specs import Ctx, starving
+
+    rng = random.Random(11)
+    cfg = PolicyConfig()
+    ctx = Ctx(1e6, cfg, SwitchCosts(), {"a": 5e4})
+    jobs = []
+    for i in range(400):
+        attained = rng.choice([0.0, rng.uniform(0, 2e6)])
+        run_s = rng.choice([0.0, attained / max(1, i % 4)])
+        jobs.append(job(f"w{i}", rng.choice([Phase.PENDING, Phase.PAUSED, Phase.RUNNING]),
+                        prio=rng.choice(list(Priority)), attained=attained, run_s=run_s,
+                        gpus=rng.choice([1, 1, 2, 4, 8]), since=rng.uniform(0, 1e6),
+                        estimate_s=rng.choice([None, rng.uniform(0, 2e6), run_s])))
+    seen = set()
+    for c in (ctx, Ctx(ctx.now, cfg, ctx.costs, ctx.usage, Limits(head=frozenset(j.id for j in jobs[::2])))):
+        for w in jobs:
+            group, rank = GPUSWAP.benefit_rank(w, c)
+            assert (group, rank) == ((w.priority, own_band(w, c) if starving(w, c) else None), expected_left(w))
+            seen.add(group[1] is not None)
+    assert seen == {True, False}

@@ -12,6 +12,7 @@ Victims: `victims.py` (the rules) and `preemption.py` (a round's victims); the G
 """
 from __future__ import annotations
 
+from math import inf
 from typing import Callable, Optional
 
 from gpuswap.policy import residue
@@ -101,7 +102,10 @@ class _Round:
         queue = _queue(self._waiting(), self.spec, self.ctx)
         self.cl.set_order(queue.in_ram)
         done = False                        # nothing is left for the jobs still in the queue
+        quick = self.why is None and self.spec.level_prefix > 0   # `_passes_over` may answer
         for key, w in queue:
+            if quick and not done and self._passes_over(w, key):
+                continue
             done = self._visit(w, key, done)
             if done and self.why is None:
                 break                       # only pinned and stopped jobs can still move
@@ -111,6 +115,21 @@ class _Round:
                 self._visit(w, key, done)
         self.out.extend(_spills(self.snap, queue.in_ram, self.resumed, self.cl))
         return self.out
+
+    def _passes_over(self, w: JobView, key: tuple) -> bool:
+        """Whether `_visit` would leave `w` waiting and change nothing, known cheaply: the cluster is
+        full, `w` may pause someone by level but is like a job that found no plan (`_preempt`'s memo)
+        and cannot take a reservation now. Most visits on a deep queue (1.03 M of 1.16 M, first 5,000
+        jobs of VC 6214e9): one call, not five. False is no answer: `_visit` decides."""
+        cl, pre = self.cl, self.pre
+        if (cl.max_free or cl.max_soon or cl.lendable or pre is None or pre.max_level is None
+                or w.holds_gpu_while_paused or w.home_gpus or w.id in self.cleared
+                or not key[:self.spec.level_prefix] < pre.max_level):
+            return False
+        group, rank = self.spec.benefit_rank(w, self.ctx)
+        if not rank >= self.no_plan.get((w.gpus, w.node if w.parked == "ram" else None, group), inf):
+            return False
+        return w.gpus < 2 or self.reservations.surely_none(w, w.gpus)    # 1 GPU: never reserves
 
     def _visit(self, w: JobView, key: tuple, done: bool) -> bool:
         """Serve `w` by its kind; whether the queue is done (see `_serve`)."""
@@ -192,11 +211,11 @@ class _Round:
         """Pause victims for `w` if a plan exists; whether it did."""
         group, rank = self.spec.benefit_rank(w, self.ctx)
         like = (w.gpus, w.node if w.parked == "ram" else None, group)
-        if rank >= self.no_plan.get(like, float("inf")):
+        if rank >= self.no_plan.get(like, inf):
             return False
         found = self.pre.plan(w, lw)
         if found is None:
-            self.no_plan[like] = min(rank, self.no_plan.get(like, float("inf")))
+            self.no_plan[like] = min(rank, self.no_plan.get(like, inf))
             return False
         node, chosen = found
         before = self.why.snapshot_pools(node) if self.why is not None else None

@@ -66,6 +66,13 @@ class Reservations:
         self._none_on: dict[str, int] = {}
         self._none_anywhere = float("inf")          # the same, for every node at once
 
+    def surely_none(self, w: JobView, need: int) -> bool:
+        """Whether `take` refuses `w` (needing `need` GPUs) whatever the cluster: a 1-GPU job (it
+        gets any GPU that frees before those behind it), a policy without reservations, or a job
+        that has not waited `reserve_after_s` yet. Cheap: a full round asks it of every job it passes."""
+        after = self.snap.config.reserve_after_s
+        return need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
+
     def take(self, w: JobView, key: tuple, lw: Optional[tuple], need: int, pre: Optional[Preemption]) -> bool:
         """No starvation of wide jobs (issue 15, item 2): once `w` has waited `reserve_after_s` in
         its phase, hold for it, on the node that can free its GPUs soonest (`_readiness`), the free
@@ -75,11 +82,8 @@ class Reservations:
         benefit) as soon as they free enough with what is held. Only a job of 2 GPUs or more: only
         it can lose GPUs to narrower jobs behind it. `key`: its order key; `pre`: the round's
         preemption, if built yet. Whether it reserved."""
-        after = self.snap.config.reserve_after_s
-        if (need < 2 or not self.spec.reserves or after is None or self.snap.now - w.phase_since < after
-                or w.holds_gpu_while_paused or w.home_gpus):
-            return False     # a 1-GPU job gets any GPU that frees before those behind it; stopped
-                             # and pinned jobs already wait for exact GPUs
+        if self.surely_none(w, need) or w.holds_gpu_while_paused or w.home_gpus:
+            return False     # stopped and pinned jobs already wait for exact GPUs
         cl = self.cl
         if len(self.reserved) == len(cl.nodes):
             return False
@@ -114,7 +118,7 @@ class Reservations:
             self.why.promise(w, node, before, reservation=True, kept=kept)
             held = sorted(before - self.why.snapshot_pools(node))
             self.why.say(w, "Reserved", f"holds a reservation on {node}: waited {self.snap.now - w.phase_since:.0f} s, "
-                         f"past the {after:.0f} s bound; "
+                         f"past the {self.snap.config.reserve_after_s:.0f} s bound; "
                          + (f"GPU {','.join(map(str, held))} held for it, " if held else "")
                          + f"waiting for {missing} more GPU{'s' if missing != 1 else ''} there "
                          f"(no job behind it may start or preempt into them)",
