@@ -132,18 +132,26 @@ class _Recorder:
         pass
 
 
-def child_cooperative(nbytes: int) -> dict:
-    os.environ.update(GPUSWAP_JOB_ID="bench-parking", GPUSWAP_PINNED_KEEP_S="600")
+def _job_state(nbytes: int, **env: str) -> tuple[dict, list]:
+    """In a child: the environment of a job run outside any daemon (`env`: more of it), and its
+    state, `nbytes` on the GPU in 256 MiB tensors; with the scope holding `gpu_hash`."""
+    os.environ.update(GPUSWAP_JOB_ID="bench-parking", GPUSWAP_PINNED_KEEP_S="600", **env)
     for k in ("GPUSWAP_CONTROL", "GPUSWAP_CKPT_DIR", "GPUSWAP_SIMULATED_GPU"):
         os.environ.pop(k, None)
     import torch
 
-    import gpuswap
-
     scope: dict = {}
     exec(GPU_HASH, scope)
     torch.manual_seed(0)
-    state = [torch.empty(CHUNK // 4, device="cuda").normal_() for _ in range(nbytes // CHUNK)]
+    return scope, [torch.empty(CHUNK // 4, device="cuda").normal_() for _ in range(nbytes // CHUNK)]
+
+
+def child_cooperative(nbytes: int) -> dict:
+    import torch
+
+    import gpuswap
+
+    scope, state = _job_state(nbytes)
     torch.cuda.synchronize()
     before = scope["gpu_hash"](state)
     torch.cuda.empty_cache()  # the hash's temporaries: the job holds only its state
@@ -177,19 +185,12 @@ def child_cooperative(nbytes: int) -> dict:
 
 def child_ahead(nbytes: int, prepare: bool, ahead_s: float) -> dict:
     """A cold park whose pause is asked as a step of ~ahead_s seconds starts (see the docstring)."""
-    os.environ.update(GPUSWAP_JOB_ID="bench-parking", GPUSWAP_PINNED_KEEP_S="600",
-                      GPUSWAP_PREFAULT="1" if prepare else "0")
-    for k in ("GPUSWAP_CONTROL", "GPUSWAP_CKPT_DIR", "GPUSWAP_SIMULATED_GPU"):
-        os.environ.pop(k, None)
     import torch
 
     import gpuswap
     from gpuswap.runtime import pinned, prefault
 
-    scope: dict = {}
-    exec(GPU_HASH, scope)
-    torch.manual_seed(0)
-    state = [torch.empty(CHUNK // 4, device="cuda").normal_() for _ in range(nbytes // CHUNK)]
+    scope, state = _job_state(nbytes, GPUSWAP_PREFAULT="1" if prepare else "0")
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     before = scope["gpu_hash"](state)

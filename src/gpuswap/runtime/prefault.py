@@ -25,7 +25,8 @@ Rules, each the pool's own (nothing new to keep in step with it):
   checkpoint directory fails instead).
 
 The preparation uses CPU (the page zeroing: ~13 GB/s with 8 threads on the H100 host) while
-the step finishes; `GPUSWAP_PREFAULT=0` turns it off for a job whose step needs every core.
+the step finishes, and can slow that step (16 GiB: 1.57x a GPU-bound step in one of two runs;
+docs/runtime.md); `GPUSWAP_PREFAULT=0` turns it off for a job whose step needs every core.
 """
 from __future__ import annotations
 
