@@ -1,17 +1,42 @@
 """Fixtures that start a real gpuswap daemon process on a private GPUSWAP_HOME with simulated GPUs."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+import gpuswap
 from gpuswap_testing import Daemon, auto_workers, has_gpu, reference_env, train_cmd
+
+
+def _bytecode_once() -> None:
+    """Under PYTHONDONTWRITEBYTECODE=1 (set in the sandboxes the suite runs in) no process wrote
+    gpuswap's bytecode, so each of the suite's ~1,500 Python processes (daemons, supervisors, CLI
+    calls, jobs) compiled every gpuswap module it imported again, ~0.07 CPU-s a daemon or
+    supervisor, and each xdist worker rewrote every test module's asserts (~4 CPU-s of its ~9 s
+    collection). gpuswap's bytecode is compiled once here, before any worker or daemon starts (the
+    xdist controller, or the only pytest process), into the usual __pycache__ (git-ignored), which
+    the children read though they write none; and pytest's processes cache their rewritten test
+    modules as they would without the variable. Only how fast modules load changes: a changed
+    source is compiled again (its mtime is in the cache), the code run is the same."""
+    if not sys.dont_write_bytecode:
+        return
+    sys.dont_write_bytecode = False
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        import compileall
+
+        compileall.compile_dir(Path(gpuswap.__file__).parent, quiet=1)
+
+
+_bytecode_once()
 
 DURATIONS = Path(__file__).with_name("durations.json")
 SLOW_UNRECORDED_S = 60
@@ -95,19 +120,31 @@ def daemon(make_daemon: Any) -> Daemon:
 
 
 @pytest.fixture(scope="session")
-def reference_hashes() -> Callable[..., str]:
+def reference_hashes(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """sha256 of the demo model's parameters after N uninterrupted steps, outside gpuswap, on the
     device of the job it is compared with: the CPU for a daemon on simulated GPUs (the default;
-    its jobs run with GPUSWAP_SIMULATED_GPU=1), CUDA for a daemon on real GPUs (simulated=False)."""
+    its jobs run with GPUSWAP_SIMULATED_GPU=1), CUDA for a daemon on real GPUs (simulated=False).
+    Each is run once per pytest run, not once per xdist worker (a PyTorch process, ~2 CPU-s): the
+    first worker to need it runs it under a lock in the run's base temporary directory, which the
+    workers share (each worker's own is inside it), and the others read its result."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-hashes"
+    shared.mkdir(exist_ok=True)
     cache: dict[tuple[int, int, bool], str] = {}
 
     def get(steps: int, hidden: int = 64, simulated: bool = True) -> str:
         if (steps, hidden, simulated) not in cache:
-            out = Path(tempfile.mkdtemp()) / "ref.json"
-            subprocess.run(train_cmd(out, steps, 0.0, hidden), env=reference_env(simulated), check=True,
-                           capture_output=True)
-            result = json.loads(out.read_text())
             want = "cpu" if simulated else "cuda"
+            name = f"{steps}-{hidden}-{want}"
+            done = shared / f"{name}.json"
+            with open(shared / f"{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)     # another worker running it: wait for its result
+                if not done.exists():
+                    out = Path(tempfile.mkdtemp(dir=shared)) / "ref.json"
+                    subprocess.run(train_cmd(out, steps, 0.0, hidden), env=reference_env(simulated), check=True,
+                                   capture_output=True)
+                    os.replace(out, done)
+            result = json.loads(done.read_text())
             assert result["device"] == want, f"the reference ran on {result['device']}, its job on {want}"
             cache[steps, hidden, simulated] = result["sha256"]
         return cache[steps, hidden, simulated]

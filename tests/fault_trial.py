@@ -412,12 +412,15 @@ def _leftovers(home: Path, problems: list[str], seed: int) -> int:
     return len(left)
 
 
-def run(trials: int, seed: int, log: Callable[[str], None] = print) -> Counts:
-    workdir = Path(tempfile.mkdtemp(prefix="gsf-ref-"))
-    try:
-        reference = reference_hash(workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+def run(trials: int, seed: int, log: Callable[[str], None] = print, reference: Optional[str] = None) -> Counts:
+    """`reference`: the hash of STEPS uninterrupted steps of width HIDDEN on the CPU, where the
+    caller has it (the suite's reference_hashes fixture); run here otherwise."""
+    if reference is None:
+        workdir = Path(tempfile.mkdtemp(prefix="gsf-ref-"))
+        try:
+            reference = reference_hash(workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     total = Counts()
     for i in range(trials):
         scenarios = sorted(TARGETS)     # each in turn, so even a short run covers every one

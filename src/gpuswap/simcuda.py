@@ -1,8 +1,9 @@
 """A simulated CUDA device for machines without a GPU, as strict as the real driver observably is.
 
 A process becomes a *simulated CUDA process* by calling `allocate(nbytes)` (a test job does, in
-place of `torch.cuda`): it writes its own registration (pid, start time, GPU, bytes allocated, and
-the bytes of the CUDA context its first CUDA call created) into the directory named by
+place of `torch.cuda`): it writes its own registration (pid, start time, and per GPU it touched
+the bytes allocated there and those of the CUDA context its first call there created;
+simrecords.py) into the directory named by
 `GPUSWAP_SIM_CUDA_DIR`, which the daemon sets for every job on simulated GPUs.
 Nobody tells the daemon which pid that is: it finds it as it would on a real node, in the
 simulated NVML process list (`SimulatedGpus.list()`), which may name a child or grandchild of the
@@ -16,13 +17,15 @@ with a compute context on a device", and its usedGpuMemory "is all of the memory
 application" (NVML API reference): a process that created a context and allocated nothing is
 listed, holding its context (pytorch/pytorch#28113: 200-700 MB in nvidia-smi right after CUDA
 init, "That is the size of the CUDA context"; #20532: 300-400 MB per process, released only by
-quitting the process). So a registration holds `context + nbytes` on its GPU (`Registration.used`),
-in the process list and in the GPU's memory used, from its first `allocate` (`allocate(0)` too)
-until the process exits. cuCheckpointProcessCheckpoint releases all of it: "the GPU memory contents
+quitting the process). A process has such a context on every GPU it touched, and NVML lists it
+on each with what it holds there (a context alone where it only maps a peer's memory:
+pytorch/pytorch#54564, tensorflow/tensorflow#52285, NVIDIA/DeepLearningExamples#776). So a
+registration holds `context + nbytes` on each of its GPUs (`Held.used`), in that GPU's process
+list and memory used, from its first `allocate` there (`allocate(0)` too) until the process exits. cuCheckpointProcessCheckpoint releases all of it: "the GPU memory contents
 will be brought into host memory and all underlying references will be released" (CUDA driver API,
 CUDA_CHECKPOINT), and nvidia-smi then shows the GPU at 1 MiB used with no process
 (NVIDIA/cuda-checkpoint#31; #53: "the pid's device memory should drop to ~0"); a locked process
-keeps it all; a restore brings it all back.
+keeps it all; a restore brings it all back, on every GPU (it needs room on each).
 
 A full GPU refuses memory, as a real one does. cudaMalloc "returns cudaErrorMemoryAllocation in
 case of failure" (CUDA Runtime API, cudaMalloc), and PyTorch's caching allocator turns that into
@@ -53,7 +56,8 @@ Layout of the state directory (the daemon's `simulated-driver/`):
   lock             the device's lock (empty, the daemon's, readable by all: flock needs no write)
   procs/PID.json   a registration, written by the process itself (sticky, world-writable dir:
                    each user's processes register themselves; nobody can replace another's file)
-  driver/PID.json  the driver's state for that process, written by the daemon only (readable by
+  driver/PID.json  the driver's state for that process (simrecords.DriverRecord: state, stuck,
+                   GPUs a restore's map moved), written by the daemon only (readable by
                    name, as any user can ask NVML and the driver about a pid; not listable)
 A registration counts only while its process lives with the recorded start time and runs as the
 file's owner: a reused pid or another user's forged file is ignored.
@@ -67,18 +71,16 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic as _monotonic, sleep as _lock_sleep   # the lock's own wait, apart from `sync`'s
 from typing import Iterator, Mapping, Optional
 
 from gpuswap.fsutil import atomic_write_json
 from gpuswap.protocol.env import SIM_CONTEXT_BYTES, SIM_CUDA_DIR
+from gpuswap.simrecords import MAX_BYTES, MAX_GPUS, DriverRecord, Held, Registration   # noqa: F401 (re-exported)
 
-MAX_BYTES = 2**53
 RESIDENT = ("running", "locked")       # driver states in which a process holds device memory
 GPUS_FILE, LOCK_FILE = "gpus.json", "lock"
-MAX_GPUS = 1024
 
 # The device memory a process's CUDA context takes (module code, the driver's per-context buffers,
 # and for a PyTorch process the cuBLAS/cuDNN handles it soon creates), which no free or empty_cache
@@ -174,22 +176,6 @@ class OutOfMemoryError(RuntimeError):
         super().__init__(text)
 
 
-@dataclass(frozen=True)
-class Registration:
-    pid: int
-    start: int          # start_ticks when it registered
-    gpu: int            # the GPU it allocated on (CUDA_VISIBLE_DEVICES' first entry)
-    nbytes: int         # what it allocated
-    context: int        # its CUDA context's device memory (created by its first `allocate`)
-    busy: bool = False  # a kernel that never finishes: a lock waits for it and times out
-    usage_reported: bool = True   # False: NVML lists it with usedGpuMemory not available (`allocate`)
-
-    @property
-    def used(self) -> int:
-        """What it holds on its GPU while resident, as NVML's usedGpuMemory: context and allocations."""
-        return self.context + self.nbytes
-
-
 class SimDevice:
     """The registry both sides share: processes' registrations and the driver's record of them."""
 
@@ -267,7 +253,7 @@ class SimDevice:
 
     def used_on(self, gpu: int, but: Optional[int] = None) -> int:
         """Device memory resident on `gpu` now (as the simulated NVML counts it: every resident
-        process's context and allocations, reported or not), leaving out process `but`."""
+        process's contexts and allocations there, reported or not), leaving out process `but`."""
         return sum(nbytes for pid, g, nbytes in self.resident() if g == gpu and pid != but)
 
     # -- registrations ----------------------------------------------------------------------
@@ -282,19 +268,13 @@ class SimDevice:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
-            owner, raw = st.st_uid, os.read(fd, 4096)
+            owner, raw = st.st_uid, os.read(fd, 256 * 1024)    # MAX_GPUS entries fit
         except OSError:
             return None
         finally:
             os.close(fd)
-        try:
-            d = json.loads(raw)
-            reg = Registration(int(d["pid"]), int(d["start"]), int(d["gpu"]), int(d["nbytes"]), int(d["context"]),
-                               bool(d.get("busy")), bool(d.get("usage_reported", True)))
-        except (ValueError, KeyError, TypeError):
-            return None
-        if reg.pid != pid or not 0 <= reg.nbytes <= MAX_BYTES or not 0 <= reg.context <= MAX_BYTES \
-                or not 0 <= reg.gpu < 1024:
+        reg = Registration.parse(raw)
+        if reg is None or reg.pid != pid:
             return None
         if start_ticks(pid) != reg.start or _uid(pid) != owner:
             return None              # the process is gone (its pid maybe reused), or a forgery
@@ -322,41 +302,42 @@ class SimDevice:
         return sorted(out, key=lambda r: r.pid)
 
     # -- the driver's record ------------------------------------------------------------------
-    def driver_record(self, reg: Registration) -> dict:
-        """{'state', 'gpu', 'poisoned'} as the simulated driver left this process (running on its
-        own GPU if the driver never touched it; a record of an earlier process with this pid is void)."""
+    def driver_record(self, reg: Registration) -> DriverRecord:
+        """Where the simulated driver left this process: running where it allocated if the driver
+        never touched it (or the record is of an earlier process with this pid, or unreadable)."""
         try:
-            d = json.loads((self.driver_dir / f"{reg.pid}.json").read_text())
-            if d.get("start") == reg.start:
-                return {"state": str(d["state"]), "gpu": int(d["gpu"]), "poisoned": bool(d.get("poisoned"))}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return {"state": "running", "gpu": reg.gpu, "poisoned": False}
+            with open(self.driver_dir / f"{reg.pid}.json", "rb") as f:
+                raw = f.read(256 * 1024)
+        except OSError:
+            return DriverRecord()
+        return DriverRecord.parse(raw, reg.start) or DriverRecord()
 
-    def set_driver_record(self, reg: Registration, state: str, gpu: int, poisoned: bool = False) -> None:
-        from gpuswap.fsutil import atomic_write_json
+    def set_driver_record(self, reg: Registration, rec: DriverRecord) -> None:
+        atomic_write_json(self.driver_dir / f"{reg.pid}.json", rec.to_json(reg.start), 0o644)
 
-        atomic_write_json(self.driver_dir / f"{reg.pid}.json",
-                          {"start": reg.start, "state": state, "gpu": gpu, "poisoned": poisoned}, 0o644)
+    def placed(self, reg: Registration, rec: Optional[DriverRecord] = None) -> list[tuple[int, int]]:
+        """(node GPU now, bytes it holds there while resident) for each GPU the process touched."""
+        rec = self.driver_record(reg) if rec is None else rec
+        return [(rec.where(h.gpu), h.used) for h in reg.held]
 
     def listed(self) -> list[tuple[int, int, int, bool]]:
-        """(pid, gpu, bytes, whether NVML reports its bytes) of every process holding device memory
-        now, its context included: what NVML would list. A checkpointed process holds nothing and
-        is not listed."""
+        """(pid, gpu, bytes, whether NVML reports its bytes) for each GPU on which a process holds
+        device memory now, its context there included: what NVML would list, a process once per GPU
+        it touched. A checkpointed process holds nothing and is not listed."""
         out = []
         for reg in self.registrations():
             rec = self.driver_record(reg)
-            if rec["state"] in RESIDENT:
-                out.append((reg.pid, rec["gpu"], reg.used, reg.usage_reported))
+            if rec.state in RESIDENT:
+                out.extend((reg.pid, gpu, used, reg.usage_reported) for gpu, used in self.placed(reg, rec))
         return out
 
     def resident(self) -> list[tuple[int, int, int]]:
-        """(pid, gpu, bytes) of every process holding device memory now, reported or not."""
+        """(pid, gpu, bytes) of every process holding device memory now, per GPU, reported or not."""
         return [(pid, gpu, nbytes) for pid, gpu, nbytes, _ in self.listed()]
 
     def gpus_in_use(self) -> set[int]:
         """GPUs any living simulated CUDA process is on or was checkpointed from."""
-        return {self.driver_record(r)["gpu"] for r in self.registrations()}
+        return {gpu for r in self.registrations() for gpu, _ in self.placed(r)}
 
 
 def _uid(pid: int) -> Optional[int]:
@@ -369,16 +350,18 @@ def _uid(pid: int) -> Optional[int]:
 # -- the job's side: what a CUDA program does -------------------------------------------------
 def allocate(nbytes: int, busy: bool = False, device: int = 0, usage_reported: bool = True) -> Registration:
     """Become a simulated CUDA process holding `nbytes` of allocations on CUDA device `device` (an
-    ordinal within CUDA_VISIBLE_DEVICES, as with cudaSetDevice), plus its CUDA context: created by
-    the first call (`context_bytes()`, read then) and kept, at that size, until the process exits,
-    as a real context is. One GPU per process: a job on several GPUs runs one such process per GPU.
+    ordinal within CUDA_VISIBLE_DEVICES, as with cudaSetDevice), plus a CUDA context there: created
+    by the process's first call on that device (`context_bytes()`, read then) and kept, at that
+    size, until the process exits, as a real context is. Per GPU, as a real process: a call on
+    another device leaves what the process holds on the others as it was (their contexts stay),
+    so a process that touched two GPUs is listed on both (simrecords.py gives the sources).
     `busy`: a kernel that does not finish until the process registers again without it, so a lock
     waits for it (and times out).
 
     Strict about room, as the real device (module docstring): with the GPU's resident memory
     (other processes') plus what this process would hold over its total, it raises
-    `OutOfMemoryError` and its registration stays as it was. A first call that finds no room for
-    the context registers nothing (`context_creation`: "CUDA error: out of memory"); one that finds
+    `OutOfMemoryError` and its registration stays as it was. A first call on a GPU that finds no
+    room for the context there registers nothing new (`context_creation`: "CUDA error: out of memory"); one that finds
     room for the context but not for `nbytes` keeps the context, registered with no allocations, as
     a real process does once its context exists (pytorch/pytorch#20532: freed only by quitting),
     and raises the allocation's error. A call that adds nothing never fails. No description of the
@@ -399,14 +382,15 @@ def allocate(nbytes: int, busy: bool = False, device: int = 0, usage_reported: b
     nbytes = int(nbytes)
     if not 0 <= nbytes <= MAX_BYTES:
         raise ValueError(f"cannot allocate {nbytes} bytes")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[device].strip()
-    gpu, pid = int(visible), os.getpid()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")      # unset: every GPU, ordinal = GPU (CUDA's rule)
+    gpu = int(visible.split(",")[device].strip()) if visible is not None else int(device)
+    pid = os.getpid()
     dev = SimDevice(Path(root))
     while True:
         sync()
         with dev.exclusive():
             earlier = dev.registration(pid)
-            if earlier is not None and dev.driver_record(earlier)["state"] != "running":
+            if earlier is not None and dev.driver_record(earlier).state != "running":
                 continue       # the driver locked it since `sync`: block again, as a CUDA call does
             return _allocate_locked(dev, earlier, gpu, device, nbytes, busy, usage_reported)
 
@@ -419,23 +403,29 @@ def _allocate_locked(dev: SimDevice, earlier: Optional[Registration], gpu: int, 
                            f"{dev.root} are not described: {GPUS_FILE} is missing or unreadable)")
     if not 0 <= gpu < len(totals):
         raise RuntimeError(f"CUDA error: invalid device ordinal (simulated GPU {gpu}; this node has {len(totals)})")
-    pid, total = os.getpid(), totals[gpu]
-    context = earlier.context if earlier is not None else context_bytes()
-    others = dev.used_on(gpu, but=pid)
-    held = earlier.used if earlier is not None and earlier.gpu == gpu else 0   # what it holds there now
-    reg = Registration(pid, start_ticks(pid) or 0, gpu, nbytes, context, busy, usage_reported)
+    pid = os.getpid()
+    where = dev.driver_record(earlier).where(gpu) if earlier is not None else gpu   # moved by a restore's GPU map
+    if not 0 <= where < len(totals):
+        raise RuntimeError(f"CUDA error: invalid device ordinal (simulated GPU {where}; this node has {len(totals)})")
+    total, others = totals[where], dev.used_on(where, but=pid)
+    mine = earlier.on(gpu) if earlier is not None else None      # what it holds on this GPU now
+    held = mine.used if mine is not None else 0
+    want = Held(gpu, mine.context if mine is not None else context_bytes(), nbytes)
+    start = earlier.start if earlier is not None else start_ticks(pid) or 0
+    base = earlier or Registration(pid, start, (want,), busy, usage_reported)
     path = dev.procs / f"{pid}.json"
-    if reg.used > held and others + reg.used > total:
-        if earlier is None:
-            if others + context > total:
-                raise OutOfMemoryError(gpu=gpu, device=device, requested=context, free=max(0, total - others),
+    if want.used > held and others + want.used > total:
+        if mine is None:
+            if others + want.context > total:
+                raise OutOfMemoryError(gpu=where, device=device, requested=want.context, free=max(0, total - others),
                                        total=total, held=0, context_creation=True)
-            kept = Registration(pid, reg.start, gpu, 0, context, False, usage_reported)
-            atomic_write_json(path, kept.__dict__, 0o644)     # the context exists now, and stays
-            held = context
-        raise OutOfMemoryError(gpu=gpu, device=device, requested=reg.used - held,
+            kept = base.with_held(Held(gpu, want.context, 0), busy=False, usage_reported=usage_reported)
+            atomic_write_json(path, kept.to_json(), 0o644)     # the context exists now, and stays
+            held = want.context
+        raise OutOfMemoryError(gpu=where, device=device, requested=want.used - held,
                                free=max(0, total - others - held), total=total, held=held, context_creation=False)
-    atomic_write_json(path, reg.__dict__, 0o644)    # the daemon reads it (simulated NVML's process list)
+    reg = base.with_held(want, busy=busy, usage_reported=usage_reported)
+    atomic_write_json(path, reg.to_json(), 0o644)    # the daemon reads it (simulated NVML's process list)
     return reg
 
 
@@ -449,5 +439,13 @@ def sync(poll_s: float = 0.02) -> None:
         return
     dev = SimDevice(Path(root))
     me = dev.registration(os.getpid())
-    while me is not None and dev.driver_record(me)["state"] != "running":
+    if me is not None:
+        wait_while_held(dev, me, poll_s)
+
+
+def wait_while_held(dev: SimDevice, me: Registration, poll_s: float = 0.02) -> None:
+    """`sync` for a process that knows its registration (`me`, this process's, as `allocate`
+    returned it): one read of the driver's record (none if the driver never touched it), so a
+    training loop can make it each step, as each real step's kernel launches are CUDA calls."""
+    while dev.driver_record(me).state != "running":
         time.sleep(poll_s)

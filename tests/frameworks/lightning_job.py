@@ -1,7 +1,9 @@
 """A tiny Lightning fit on CPU with gpuswap's SafepointCallback: the job the tests run.
 
     python lightning_job.py OUT.json      (env FW_PAUSES triggers pauses; FW_ACCEL=gpu: the fit runs on
-                                          CUDA in 16-bit mixed precision, with its GradScaler)
+                                          CUDA in 16-bit mixed precision, with its GradScaler;
+                                          FW_KEEP_FREED=1: a mutation, a spill leaves its freed
+                                          tensors freed, as before parking.leave_on_host)
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ class Trigger(pl.Callback):
 
 
 def main(out: str) -> int:
+    if os.environ.get("FW_KEEP_FREED") == "1":
+        from gpuswap.runtime import parking
+
+        parking.leave_on_host = lambda park, tensors: 0
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
     g = torch.Generator().manual_seed(0)

@@ -225,6 +225,8 @@ def test_control_sockets_cannot_be_squatted_or_reached_by_another_user(daemon, h
         daemon.state(job, "RUNNING")
         control = home / "jobs" / str(job) / "run-1" / "control"
         _wait_for(lambda: control.is_socket() and os.stat(control).st_uid == alice.uid, "the control socket")
+        # the echo reaches the log some time after the socket exists (a loaded machine: seconds)
+        _wait_for(lambda: daemon.cli("logs", str(job)).stdout.strip(), "the job's first line in its log")
         assert daemon.cli("logs", str(job)).stdout.strip() == str(control)
         assert bob.call(lambda: _connect(str(control))) == errno.EACCES
         # alice (the job's owner) reaches it and is accepted: her hello marks the runtime attached

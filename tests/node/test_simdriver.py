@@ -71,7 +71,7 @@ class World:
     def gpu_of(self, pid: int) -> int:
         reg = self.device.registration(pid)
         assert reg is not None
-        return self.device.driver_record(reg)["gpu"]
+        return self.device.driver_record(reg).where(reg.gpu)
 
 
 @pytest.fixture

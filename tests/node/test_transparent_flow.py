@@ -42,6 +42,8 @@ class FakeDriver(CheckpointDriver):
         self.states[pid] = new
 
     def state(self, pid: int) -> str:
+        if "state" in self.fail:
+            raise CheckpointError("cuCheckpointProcessGetState", self.fail["state"])
         return self.states.get(pid, "running")
 
     def lock(self, pid: int, timeout_ms: int) -> None:
@@ -201,9 +203,7 @@ def test_a_freeze_given_up_on_is_put_back_by_a_fresh_freezer_once_continued(worl
 
     def checkpoint_then_stopped(p):
         real_checkpoint(p)
-        os.kill(p, signal.SIGSTOP)
-        while open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-            time.sleep(0.005)
+        _stopped_by_its_user(p)
     driver.checkpoint = checkpoint_then_stopped
     try:
         job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
@@ -229,6 +229,99 @@ def test_a_freeze_given_up_on_is_put_back_by_a_fresh_freezer_once_continued(worl
                  event=NewEvent(EventKind.PARK_STARTED, "freezing through the driver"))
     job = drive(store, job_id, fresh, pid, "freezing", False, lambda j: j.state == JobState.PAUSED)
     assert job.parked == "ram"
+
+
+def _stopped_by_its_user(pid: int) -> None:
+    """SIGSTOP `pid` and return once the kernel shows it stopped (state T)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.005)
+
+
+def _refused_while_stopped(store, job_id, pid, driver, freezer) -> None:
+    """Locked by the freeze, then stopped by its user: refused; continued again at the end."""
+    import os
+    import signal
+
+    real_lock = driver.lock
+
+    def lock_then_stopped(p, timeout_ms):
+        real_lock(p, timeout_ms)
+        _stopped_by_its_user(p)
+    driver.lock = lock_then_stopped
+    try:
+        job = drive(store, job_id, freezer, pid, "freezing", False, lambda j: j.state == JobState.RUNNING)
+        assert "is stopped by a signal" in job.transparent_refused and driver.state(pid) == "locked"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        driver.lock = real_lock
+
+
+def _undo_tick(store, job_id, freezer, pid) -> None:
+    freezer.undoing(store.get(job_id), Observation({"job_pid": pid, "stopped": False}, True, 0.0), time.time())
+    while freezer.runner.busy(job_id):
+        time.sleep(0.005)
+
+
+def test_an_unknown_error_about_a_given_up_freeze_is_asked_again_not_taken_for_nothing_held(world):
+    """Only NOT_INITIALIZED / OPERATING_SYSTEM (measured: a pid without CUDA state) mean the driver
+    holds nothing. Any other error of the state question says nothing: taken as "nothing held", the
+    record went and the locked process stayed locked for good. Now it is said once, asked again
+    each tick, and the process is unlocked once the driver answers."""
+    store, job_id, pid, gpus, driver, freezer = world
+    _refused_while_stopped(store, job_id, pid, driver, freezer)
+    driver.fail["state"] = "CUDA_ERROR_UNKNOWN"
+    for _ in range(3):
+        _undo_tick(store, job_id, freezer, pid)
+    waiting = [e for e in events(store, job_id) if e.startswith("waiting to put back")]
+    assert len(waiting) == 1 and "CUDA_ERROR_UNKNOWN" in waiting[0], events(store, job_id)
+    assert driver.states[pid] == "locked"
+    assert not any(e.startswith("put back") or e.startswith("after a freeze") for e in events(store, job_id))
+    del driver.fail["state"]
+    job = drive(store, job_id, freezer, pid, "undoing", False, lambda j: j.transparent_refused is None)
+    assert driver.state(pid) == "running" and job.state == JobState.RUNNING
+    put_back = [e for e in events(store, job_id) if e.startswith("put back")]
+    assert len(put_back) == 1 and "unlocked CUDA process" in put_back[0], put_back
+
+
+@pytest.mark.parametrize("code", ["CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_OPERATING_SYSTEM"])
+def test_a_given_up_freeze_of_a_process_without_cuda_state_holds_nothing(world, code):
+    store, job_id, pid, gpus, driver, freezer = world
+    _refused_while_stopped(store, job_id, pid, driver, freezer)
+    driver.states[pid] = "running"          # it left CUDA meanwhile: the driver knows nothing of it
+    driver.fail["state"] = code
+    job = drive(store, job_id, freezer, pid, "undoing", False, lambda j: j.transparent_refused is None)
+    [said] = [e for e in events(store, job_id) if e.startswith("after a freeze given up on")]
+    assert said.endswith("the driver held nothing of it; it can be frozen transparently again"), said
+    assert not freezer.freezer._path(job).exists()
+
+
+def test_a_put_back_whose_event_was_not_stored_is_recorded_on_the_next_tick(world, monkeypatch):
+    """The freeze's record beside the job goes only after the put-back's event is stored (an
+    effect of the transition): a store that fails leaves it, and the next tick records the event
+    and lifts the refusal. Before, the record went first and the refusal stayed for good."""
+    import sqlite3
+
+    store, job_id, pid, gpus, driver, freezer = world
+    _refused_while_stopped(store, job_id, pid, driver, freezer)
+    real_update, failed = store.update, []
+
+    def update(jid, at, event=None, **changes):
+        if event is not None and event.kind == EventKind.PUT_BACK and not failed:
+            failed.append(event)
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_update(jid, at, event=event, **changes)
+    monkeypatch.setattr(store, "update", update)
+    with pytest.raises(sqlite3.OperationalError):
+        drive(store, job_id, freezer, pid, "undoing", False, lambda j: False)
+    assert failed and driver.state(pid) == "running"
+    assert freezer.freezer._path(store.get(job_id)).exists()        # the record stays
+    job = drive(store, job_id, freezer, pid, "undoing", False, lambda j: j.transparent_refused is None)
+    assert len([e for e in events(store, job_id) if e.startswith(("put back", "after a freeze"))]) == 1
+    assert not freezer.freezer._path(job).exists()
 
 
 def test_several_cuda_processes_are_refused_without_touching_the_driver(world):

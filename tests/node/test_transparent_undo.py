@@ -31,7 +31,7 @@ def until(fact: Callable[[], bool], what: str) -> None:
 def driver_state(device: SimDevice, pid: int) -> str:
     reg = device.registration(pid)
     assert reg is not None, f"process {pid} is no simulated CUDA process"
-    return device.driver_record(reg)["state"]
+    return device.driver_record(reg).state
 
 
 def opened(pid: int, path: Path) -> bool:
@@ -82,6 +82,12 @@ def test_a_daemon_killed_while_its_undo_waits_still_unlocks_the_job(daemon, home
         assert driver_state(device, pid) == "locked"        # what the killed daemon left behind
     finally:
         os.kill(pid, signal.SIGCONT)
+    # The gate opens only once the put-back is recorded. Continued and unlocked, the job holds at
+    # its gate (its last line); with the gate open it ended a few ms after the unlock, and the
+    # daemon's next tick saw the exit first and recorded COMPLETED with no put_back event (the
+    # unlock was done, its event never made): 1 run in 40 unloaded, 12 in 14 with two CPU hogs,
+    # where the slow `pause` CLI let the job reach its gate before the lock.
+    daemon.until(job, lambda j: any("put back" in e["reason"] for e in j["events"]))
     gate.open()
     done = daemon.state(job, "COMPLETED", "FAILED", "CANCELLED")
     assert done["state"] == "COMPLETED" and done["exit_code"] == 0, done

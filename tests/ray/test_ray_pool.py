@@ -193,7 +193,7 @@ def test_urgent_job_preempts_the_parkable_job_on_its_node_which_resumes_there_ex
     m = scrape(head)
     assert m[("gpuswap_gpu_state", (("gpu", f"{node}:0"), ("simulated", "true"), ("state", "running")))] == 1
     assert {n: m[("gpuswap_node_ram_budget_bytes", (("node", n),))] for n in NODES} == {n: half for n in NODES}
-    assert {n: m[("gpuswap_node_gpus", (("node", n),))] for n in NODES} == {n: 1 for n in NODES}
+    assert {n: m[("gpuswap_node_gpus", (("node", n), ("simulated", "true")))] for n in NODES} == {n: 1 for n in NODES}
     assert m[("gpuswap_node_jobs", (("node", node), ("state", "PAUSED")))] == 1
     assert m[("gpuswap_node_jobs", (("node", node), ("state", "RUNNING")))] == 1
     assert m[("gpuswap_node_jobs", (("node", kept["node"]), ("state", "RUNNING")))] == 1

@@ -30,6 +30,18 @@ def peer():
     p.close()
 
 
+@pytest.fixture
+def sim_env(monkeypatch, peer):
+    """This process is a job on a simulated GPU, its supervisor the test's `peer`: what an
+    in-process `gpuswap.attach` needs (no checkpoint directory, preparation of host buffers on)."""
+    monkeypatch.setenv("GPUSWAP_JOB_ID", "sim-test")
+    monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
+    monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
+    monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
+    monkeypatch.delenv("GPUSWAP_PREFAULT", raising=False)
+    return peer
+
+
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
     """The demo run uninterrupted and outside gpuswap: the reference for exact resume. On the CPU,

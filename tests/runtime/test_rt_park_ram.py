@@ -2,22 +2,11 @@
 come back bitwise, and the control channel hears about it."""
 from __future__ import annotations
 
-
 import numpy as np
-import pytest
 import torch
 
 import gpuswap
 from gpuswap_rt_peer import pause_in_background
-
-
-@pytest.fixture
-def sim_env(monkeypatch, tmp_path, peer):
-    monkeypatch.setenv("GPUSWAP_JOB_ID", "park-test")
-    monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
-    monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
-    monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
-    return peer
 
 
 def _trained():

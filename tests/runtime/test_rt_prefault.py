@@ -103,16 +103,6 @@ def test_off_by_environment():
 
 
 # -- through the job's handle (simulated GPU) ----------------------------------------------------
-@pytest.fixture
-def sim_env(monkeypatch, tmp_path, peer):
-    monkeypatch.setenv("GPUSWAP_JOB_ID", "prefault-test")
-    monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
-    monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
-    monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
-    monkeypatch.delenv("GPUSWAP_PREFAULT", raising=False)
-    return peer
-
-
 def _model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))

@@ -19,15 +19,11 @@ FLOOR = 3 * 2**20
 
 
 @pytest.fixture
-def device(monkeypatch, tmp_path, peer):
-    monkeypatch.setenv("GPUSWAP_JOB_ID", "simdevice-test")
-    monkeypatch.setenv("GPUSWAP_SIMULATED_GPU", "1")
-    monkeypatch.setenv("GPUSWAP_CONTROL", peer.address)
-    monkeypatch.delenv("GPUSWAP_CKPT_DIR", raising=False)
+def device(monkeypatch, tmp_path, sim_env):
     monkeypatch.setenv(SIM_CUDA_DIR, str(tmp_path / "sim"))
     monkeypatch.setenv(SIM_CONTEXT_BYTES, str(FLOOR))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    for name in ("_registered", "_pid"):                  # a fresh process, as far as the module knows
+    for name in ("_registered", "_pid", "_reg"):                  # a fresh process, as far as the module knows
         monkeypatch.setattr(simdevice, name, None)
     dev = simcuda.SimDevice(tmp_path / "sim")
     dev.prepare()
@@ -47,6 +43,23 @@ def test_attach_registers_the_floor_and_the_attached_bytes_a_ram_park_leaves_the
     seen = pause_in_background(job, lambda: {"parked": _held(device)}, step=0)
     assert seen["parked"] == [(os.getpid(), 1, FLOOR)]          # the floor stays, nothing else
     assert _held(device) == [(os.getpid(), 1, FLOOR + attached)]  # back before `resumed` is sent
+    job.close()
+
+
+def test_a_job_spread_over_two_gpus_holds_a_context_on_each_and_a_ram_park_leaves_the_floor_on_each(
+        device, peer, monkeypatch):
+    """GPUSWAP_SIM_DEVICES says which simulated GPUs a job's tensors live on (runtime/simdevice.py):
+    its bytes are spread over them, each holds the process's context, and a RAM park frees the
+    attached bytes on each but leaves the context on both, as a real park does."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("GPUSWAP_SIM_DEVICES", "0,1")
+    job = gpuswap.attach(model=torch.nn.Linear(64, 64))
+    attached, me = job.device_bytes(), os.getpid()
+    half, odd = divmod(attached, 2)
+    assert sorted(_held(device)) == [(me, 0, FLOOR + half + odd), (me, 1, FLOOR + half)]
+    seen = pause_in_background(job, lambda: {"parked": sorted(_held(device))}, step=0)
+    assert seen["parked"] == [(me, 0, FLOOR), (me, 1, FLOOR)]
+    assert sorted(_held(device)) == [(me, 0, FLOOR + half + odd), (me, 1, FLOOR + half)]
     job.close()
 
 
@@ -88,6 +101,43 @@ def test_a_registration_blocks_while_the_driver_holds_the_process(device, monkey
     driver.unlock(me)
     t.join(120)
     assert not t.is_alive() and _held(device) == [(me, 1, FLOOR + 200)]
+
+
+def test_a_safepoint_blocks_while_the_driver_holds_the_process(device, peer, monkeypatch):
+    """A real training step launches kernels, and while the driver holds the process those CUDA
+    calls block (CUDA docs, cuCheckpointProcessLock: "block further CUDA API calls"): a job locked
+    by a transparent freeze reaches no safepoint, so serves no pause and steps no further, until it
+    is unlocked. The simulated job kept stepping on its CPU tensors (only a changed registration
+    blocked); its safepoint now makes the step's CUDA call (simdevice.step)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gpuswap.node.gpus import SimulatedGpus
+    from gpuswap.node.simdriver import SimulatedCheckpointDriver
+
+    driver = SimulatedCheckpointDriver(SimulatedGpus(2, 2**40, device), device)
+    job = gpuswap.attach(model=torch.nn.Linear(8, 8))
+    job.safepoint(1)                          # running: returns at once
+    me = os.getpid()
+    driver.lock(me, 1000)
+    waiting = threading.Event()
+
+    def sleep(s: float) -> None:
+        waiting.set()
+        time.sleep(s)
+    monkeypatch.setattr(simcuda, "time", SimpleNamespace(sleep=sleep))
+    t = threading.Thread(target=job.safepoint, args=(2,))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not waiting.is_set() and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiting.is_set() and t.is_alive(), "a safepoint of a locked process did not block"
+    assert job.step == 1                      # the step did not complete
+    driver.unlock(me)
+    t.join(60)
+    assert not t.is_alive() and job.step == 2
+    job.close()
 
 
 def test_the_floor_is_chosen_by_the_environment_and_a_bad_value_falls_back(capsys):

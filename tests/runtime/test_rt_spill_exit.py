@@ -42,6 +42,7 @@ def test_freed_tensors_leave_on_the_host_whole_and_still_sharing():
     assert bool((base[:6] == 3.0).all())             # views still share their bytes
     right.fill_(4.0)
     assert bool((base[6:] == 4.0).all())
+    parking.drop_host(park)
 
 
 def test_nothing_moves_while_the_device_memory_is_kept():
@@ -53,10 +54,11 @@ def test_nothing_moves_while_the_device_memory_is_kept():
     parking.drop_host(park)
 
 
-def test_a_spilled_job_unwinds_on_whole_tensors_and_exits_75(peer, tmp_path):
+def _spill(peer, tmp_path, **env):
+    """spill_exit_job.py parked in RAM, then spilled: (rc, stderr, out path)."""
     out = tmp_path / "out.json"
     proc = subprocess.Popen([sys.executable, str(HERE / "spill_exit_job.py"), str(out)],
-                            env=job_env(peer, tmp_path / "ckpt"), stdout=subprocess.PIPE,
+                            env={**job_env(peer, tmp_path / "ckpt"), **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     peer.expect("hello")
     peer.send({"op": "pause", "tier": "ram"})
@@ -66,6 +68,21 @@ def test_a_spilled_job_unwinds_on_whole_tensors_and_exits_75(peer, tmp_path):
     peer.send({"op": "pause", "tier": "disk"})
     assert peer.expect("checkpointed")["bytes"] > 0
     rc, _, err = finish(proc)
+    return rc, err, out
+
+
+def test_a_spilled_job_unwinds_on_whole_tensors_and_exits_75(peer, tmp_path):
+    rc, err, out = _spill(peer, tmp_path)
     assert rc == REQUEUE_EXIT_CODE, err
     seen = json.loads(out.read_text())
     assert seen["whole"] and seen["leaving"] == seen["before"] and seen["shared"], seen
+
+
+def test_without_leave_on_host_the_simulated_gpu_fails_the_exit_as_the_h100_did(peer, tmp_path):
+    """Mutation check: with leave_on_host a no-op the unwinding's `.to("cpu")` reads a freed tensor.
+    On an H100 that was "CUDA error: invalid argument" and exit 1; the simulated GPU, which let it
+    pass (exit 75) before runtime/freedguard.py, now fails the same way."""
+    rc, err, out = _spill(peer, tmp_path, SPILL_EXIT_KEEP_FREED="1")
+    assert rc == 1, (err, out.exists() and out.read_text())
+    assert "RuntimeError: CUDA error: invalid argument" in err and 't.to("cpu")' in err, err[-3000:]
+    assert not out.exists()

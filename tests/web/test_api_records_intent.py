@@ -1,7 +1,7 @@
 """The API only records a user's intent (docs/architecture.md): every job write in api/ sets only
 the columns that say what a user asked for. What the job's supervisor is asked (`desired`,
 `desired_tier`, `pause_requested_at`) and every state change are the controller's, made level-
-triggered from that intent (node/controller.py's `_apply_user_intent`)."""
+triggered from that intent (node/moves.py's `Moves.user_intent`)."""
 from __future__ import annotations
 
 import ast

@@ -321,3 +321,26 @@ def test_a_home_from_before_the_initiator_column_is_migrated_and_folded(tmp_path
     fold.advance(store)
     assert fold.user_pauses == {("cooperative", "ram"): 1}
     assert fold.preemptions == {("cooperative", "ram"): 1}
+
+
+def test_a_pools_gpu_count_per_node_says_whether_its_gpus_are_simulated():
+    """Simulated GPUs announce themselves in every output that shows GPUs: a count of them too.
+    `gpuswap_node_gpus` was labelled by node only, so a panel of GPUs per node showed simulated
+    ones as real (every per-GPU series already carried `simulated`)."""
+    from types import SimpleNamespace
+
+    from gpuswap.api.metrics import GpuswapCollector
+    from gpuswap.node.gpus import GpuInfo
+
+    class Pool:
+        simulated = True
+
+        def list(self):
+            return [GpuInfo(0, "simulated GPU", "GPU-a", 2**30, 0, True, node="n1")]
+
+    controller = SimpleNamespace(pool=SimpleNamespace(ram_budget=lambda node, default: 1),
+                                 config=SimpleNamespace(ram_budget=1))
+    live = [SimpleNamespace(node="n2", state=JobState.RUNNING, parked=None, parked_bytes=0)]   # n2 does not answer
+    fams = {f.name: f for f in GpuswapCollector(None, controller, Pool())._nodes(live)}
+    got = {(s.labels["node"], s.labels.get("simulated")): s.value for s in fams["gpuswap_node_gpus"].samples}
+    assert got == {("n1", "true"): 1, ("n2", "true"): 0}

@@ -234,12 +234,16 @@ class GpuswapCollector(Collector):
         nodes = sorted({g.node for g in devices if g.node is not None} | {j.node for j in live if j.node is not None})
         if not nodes:
             return
+        # Counts of GPUs are GPUs shown too: each says whether they are simulated (a node that does
+        # not answer lists none; it is labelled as the pool's GPUs are).
         gpus = GaugeMetricFamily("gpuswap_node_gpus", "GPUs a pool's node lists now (0: it does not answer)",
-                                 labels=["node"])
+                                 labels=["node", "simulated"])
         jobs = GaugeMetricFamily("gpuswap_node_jobs", "live jobs placed on a pool's node, by state",
                                  labels=["node", "state"])
         for n in nodes:
-            gpus.add_metric([n], sum(1 for g in devices if g.node == n))
+            mine = [g for g in devices if g.node == n]
+            sim = any(g.simulated for g in mine) if mine else bool(self.gpus.simulated)
+            gpus.add_metric([n, str(sim).lower()], len(mine))
             for s in JobState:
                 if not s.terminal and s is not JobState.PENDING:
                     jobs.add_metric([n, s.value], sum(1 for j in live if j.node == n and j.state is s))

@@ -93,7 +93,7 @@ SLURM_ENVIRONMENT = _table("environment", (
 # Internal (the simulated driver's directory) or read only by tests, and documented where they
 # are read: not part of the interface.
 INTERNAL = ("GPUSWAP_USAGE_INTERVAL_S", "GPUSWAP_SIM_CONTEXT_BYTES", "GPUSWAP_SELFTEST_WRONG_REFERENCE",
-             "GPUSWAP_SIM_CUDA_DIR")
+             "GPUSWAP_SIM_CUDA_DIR", "GPUSWAP_SIM_DEVICES")
 
 
 def version() -> str:

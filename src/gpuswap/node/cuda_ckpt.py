@@ -30,12 +30,24 @@ MIN_DRIVER_CHECKPOINT = 570
 NO_MIGRATION = "restores stay on each job's own GPUs (no GPU map under CUDA_VISIBLE_DEVICES)"
 
 
+# What the driver answers about a pid that holds no CUDA state: NOT_INITIALIZED for a live
+# process (a launcher shell), OPERATING_SYSTEM for one that has exited. Measured on an H100
+# (driver 580.159.04, 2026-11-26; docs/transparent.md); CUDA's documentation lists neither.
+NO_CUDA_STATE = frozenset({"CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_OPERATING_SYSTEM"})
+
+
 class CheckpointError(Exception):
     """A driver call failed. `code` is the CUresult name, e.g. CUDA_ERROR_TIMEOUT."""
 
     def __init__(self, call: str, code: str):
         super().__init__(f"{call} failed: {code}")
         self.call, self.code = call, code
+
+    @property
+    def no_cuda_state(self) -> bool:
+        """The pid holds nothing the driver could hold (`NO_CUDA_STATE`); any other error says
+        nothing of what the driver holds."""
+        return self.code in NO_CUDA_STATE
 
     @property
     def timed_out(self) -> bool:

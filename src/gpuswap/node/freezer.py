@@ -21,6 +21,7 @@ so a daemon restarted while the user's process was stopped still unlocks it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -32,7 +33,7 @@ from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, RUNNING, CheckpointDriv
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Observation
 from gpuswap.node.records import JobRecord
-from gpuswap.node.transition import Sample, Transition
+from gpuswap.node.transition import RemoveFile, Sample, Transition
 from gpuswap.node.transparent import (CudaProcess, FreezeRecord, StateQueries, StepRunner, Unanswered,
                                       gpu_permutation, job_cuda_processes, next_freeze_step, next_thaw_step,
                                       room_for)
@@ -250,7 +251,9 @@ class Freezer:
                 states.append(self.queries.state(p))
             except Unanswered:
                 return None       # stopped by its user: the refusal said it waits for the SIGCONT
-            except CheckpointError:
+            except CheckpointError as e:
+                if not e.no_cuda_state:     # unknown: it may still be locked; never forget it on this
+                    return self._unanswered(job, now, p, e)
                 states.append(RUNNING)      # no CUDA state (left): the driver holds nothing of it
         step = next_thaw_step(states) if states else "done"
         if step == "restore":
@@ -265,12 +268,26 @@ class Freezer:
         elif step == "unlock":
             self._run(job, "unlock", [p for p, s in zip(alive, states) if s == LOCKED], self.driver.unlock)
         elif step == "done":
-            self._forget(job)
-            return self._put_back(job, now, rec, self._timings.pop(job.id, {}))
+            t = self._put_back(job, now, rec, self._timings.pop(job.id, {}))
+            if t is None:
+                self._forget(job)           # nothing to record
+                return None
+            # The record goes once the event is stored (an effect): were the store to fail, the
+            # next tick would find the record and put back again, rather than the refusal stay.
+            return replace(t, effects=t.effects + (RemoveFile(str(self._path(job))),))
         else:
             self._forget(job)
             return self._abort(job, now, f"the driver reports the job's CUDA state as {', '.join(states)}")
         return None
+
+    def _unanswered(self, job: JobRecord, now: float, pid: int, e: CheckpointError) -> Optional[Transition]:
+        """The driver's state question failed with an error that does not say the process holds
+        nothing: asked again each tick, said once (it may be locked: forgetting would leave it so)."""
+        if job.reason.startswith("waiting to put back"):
+            return None
+        return Transition(now, event=NewEvent(K.RESTORE_DEFERRED, f"waiting to put back a freeze given up on: "
+                                                                  f"the driver's state of CUDA process {pid} "
+                                                                  f"failed ({e.code}); asked again"))
 
     def _put_back(self, job: JobRecord, now: float, rec: FreezeRecord, t: dict[str, float]) -> Optional[Transition]:
         """The event of an undo: what was put back and why; and the refusal lifted if it was the stop."""

@@ -3,8 +3,9 @@
 Simulated devices exist so that the whole product runs on a laptop or CI; every record they
 produce carries `simulated: True`. With a `SimDevice` (gpuswap.simcuda) attached, as the daemon
 does, they list the simulated CUDA processes like `nvmlDeviceGetComputeRunningProcesses` and their
-memory in use, each process's CUDA context included: a process checkpointed by the driver is not
-listed and holds nothing. A simulated
+memory in use, each process's CUDA context included, on every GPU it holds memory on (a process
+that touched two GPUs is listed on both): a process checkpointed by the driver is not listed and
+holds nothing. A simulated
 GPU no such process has touched reports `mem_used` None: its callers fill it in from job reports.
 """
 from __future__ import annotations

@@ -20,7 +20,8 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   included ("all underlying references will be released", cuCheckpointProcessCheckpoint;
   nvidia-smi shows 1 MiB used and no process: NVIDIA/cuda-checkpoint#31), and it vanishes from
   the NVML process list (cuda-checkpoint README). A restore needs room for all of it again.
-- restore: CHECKPOINTED -> LOCKED, back on its GPU or, with GPU pairs, on the mapped one. A map
+- restore: CHECKPOINTED -> LOCKED, back on every GPU it held or, with GPU pairs, on the mapped
+  ones (each GPU of the process moved as the map says; simcuda.DriverRecord keeps where). A map
   is refused with CUDA_ERROR_INVALID_VALUE, the process left CHECKPOINTED (NVIDIA's own tests
   restore it without a map after that error), when:
   * it does not cover every GPU (CUDA docs: "must contain every checkpointed GPU"; NVIDIA's
@@ -40,9 +41,11 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   Too little free memory on the target: CUDA_ERROR_OUT_OF_MEMORY, the process stays
   CHECKPOINTED and is stuck for good: every later restore fails with CUDA_ERROR_OPERATING_SYSTEM
   and unlock with CUDA_ERROR_ILLEGAL_STATE (cuda-checkpoint#44). "Room" is counted as simcuda
-  counts it for an allocation: every other resident process's context and allocations (a
-  checkpointed one holds nothing) plus all this process brings back, its context included, against
-  the GPU's total; the check and the new state are one step under the device's lock
+  counts it for an allocation, on each GPU the process comes back to: every other resident
+  process's contexts and allocations there (a checkpointed one holds nothing) plus all this process
+  brings back there, its context included, against the GPU's total; too little on any one fails
+  the whole restore (one call restores the whole process, and a failed one leaves it
+  CHECKPOINTED, cuda-checkpoint#44); the check and the new state are one step under the device's lock
   (SimDevice.exclusive), so a process allocating meanwhile cannot take the same bytes.
 - The simulated GPUs' sizes are written for the jobs (simcuda's gpus.json) when the driver starts:
   a simulated CUDA process's allocation is refused past its GPU's total, as a real one is.
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import psutil
@@ -69,7 +73,7 @@ import psutil
 from gpuswap.node.cuda_ckpt import CHECKPOINTED, LOCKED, NO_MIGRATION, RUNNING, Capability, CheckpointDriver, \
     CheckpointError, criu_verdict
 from gpuswap.node.gpus import SimulatedGpus
-from gpuswap.simcuda import Registration, SimDevice, stopped
+from gpuswap.simcuda import DriverRecord, Registration, SimDevice, stopped
 
 POLL_S = 0.02      # how often a waiting lock looks again at the process's work
 LOCK_WAIT_S = 30.0  # the longest the driver waits for the simulated device's lock
@@ -110,7 +114,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
         self.capability = Capability(True, f"SIMULATED checkpoint driver (no GPU; no memory is moved); {NO_MIGRATION}",
                                      migration=False, simulated=True, criu=criu_verdict())
 
-    def _proc(self, call: str, pid: int) -> tuple[Registration, dict]:
+    def _proc(self, call: str, pid: int) -> tuple[Registration, DriverRecord]:
         reg = self.device.registration(pid)
         if reg is None:
             raise CheckpointError(call, "CUDA_ERROR_NOT_INITIALIZED" if psutil.pid_exists(pid)
@@ -133,15 +137,15 @@ class SimulatedCheckpointDriver(CheckpointDriver):
                 raise CheckpointError(call, f"SIMULATED_DEVICE_BUSY ({e})") from None
             yield
 
-    def _expect(self, call: str, pid: int, state: str) -> tuple[Registration, dict]:
+    def _expect(self, call: str, pid: int, state: str) -> tuple[Registration, DriverRecord]:
         reg, rec = self._proc(call, pid)
-        if rec["state"] != state:
+        if rec.state != state:
             raise CheckpointError(call, "CUDA_ERROR_ILLEGAL_STATE")
         return reg, rec
 
     def state(self, pid: int) -> str:
         self._answer_when_continued(pid)
-        return self._proc("cuCheckpointProcessGetState", pid)[1]["state"]
+        return self._proc("cuCheckpointProcessGetState", pid)[1].state
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         """Waits while the process's work runs (`busy` in its registration, read again each time):
@@ -156,7 +160,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
                 with self._exclusive(call):
                     reg, rec = self._expect(call, pid, RUNNING)
                     if not reg.busy:
-                        self.device.set_driver_record(reg, LOCKED, rec["gpu"])
+                        self.device.set_driver_record(reg, replace(rec, state=LOCKED))
                         return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -167,25 +171,29 @@ class SimulatedCheckpointDriver(CheckpointDriver):
     def checkpoint(self, pid: int) -> None:
         self._answer_when_continued(pid)
         reg, rec = self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
-        self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"])
+        self.device.set_driver_record(reg, replace(rec, state=CHECKPOINTED))
 
     def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
         self._answer_when_continued(pid)
         call = "cuCheckpointProcessRestore"
         reg, rec = self._expect(call, pid, CHECKPOINTED)
-        if rec["poisoned"]:
+        if rec.poisoned:
             raise CheckpointError(call, "CUDA_ERROR_OPERATING_SYSTEM")
-        target = rec["gpu"]
+        back = replace(rec, state=LOCKED)
         if gpu_map:
-            target = self._mapped(call, pid, rec["gpu"], gpu_map)
+            back = replace(back, moved=self._mapped(call, pid, rec, gpu_map))
         with self._exclusive(call):          # the room it finds is the room it takes
-            if reg.used > self.gpus.mem_total - self.device.used_on(target, but=pid):   # its context comes back too
-                self.device.set_driver_record(reg, CHECKPOINTED, rec["gpu"], poisoned=True)
+            need: dict[int, int] = {}        # all it held on each GPU comes back, contexts too
+            for gpu, used in self.device.placed(reg, back):
+                need[gpu] = need.get(gpu, 0) + used
+            if any(n > self.gpus.mem_total - self.device.used_on(g, but=pid) for g, n in need.items()):
+                self.device.set_driver_record(reg, replace(rec, poisoned=True))
                 raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
-            self.device.set_driver_record(reg, LOCKED, target)
+            self.device.set_driver_record(reg, back)
 
-    def _mapped(self, call: str, pid: int, home: int, gpu_map: dict[str, str]) -> int:
-        """The GPU `gpu_map` sends the process to, or CUDA_ERROR_INVALID_VALUE (the process stays
+    def _mapped(self, call: str, pid: int, rec: DriverRecord, gpu_map: dict[str, str]) -> tuple[tuple[int, int], ...]:
+        """Where each GPU is after a restore with `gpu_map` (the record's earlier moves, then the
+        map: the pairs that are not the identity), or CUDA_ERROR_INVALID_VALUE (the process stays
         CHECKPOINTED) for a map that misses a GPU, sends two GPUs to one or names one not here, or
         for a process that does not see every GPU (the module docstring gives the sources)."""
         by_uuid = {self.gpus.uuid(i): i for i in range(self.gpus.count)}
@@ -194,11 +202,12 @@ class SimulatedCheckpointDriver(CheckpointDriver):
             raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
         if visible_gpus(pid, self.gpus) != set(by_uuid.values()):
             raise CheckpointError(call, "CUDA_ERROR_INVALID_VALUE")
-        return by_uuid[gpu_map[self.gpus.uuid(home)]]
+        now = {g: by_uuid[gpu_map[self.gpus.uuid(rec.where(g))]] for g in range(self.gpus.count)}
+        return tuple((a, b) for a, b in sorted(now.items()) if a != b)
 
     def unlock(self, pid: int) -> None:
         self._answer_when_continued(pid)
         reg, rec = self._proc("cuCheckpointProcessUnlock", pid)
-        if rec["state"] != LOCKED or rec["poisoned"]:
+        if rec.state != LOCKED or rec.poisoned:
             raise CheckpointError("cuCheckpointProcessUnlock", "CUDA_ERROR_ILLEGAL_STATE")
-        self.device.set_driver_record(reg, RUNNING, rec["gpu"])
+        self.device.set_driver_record(reg, replace(rec, state=RUNNING))

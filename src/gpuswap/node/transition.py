@@ -49,7 +49,15 @@ class RemoveCheckpoints:
     job_id: int
 
 
-Effect = Union[Sample, KillProcesses, RemoveCheckpoints]
+@dataclass(frozen=True)
+class RemoveFile:
+    """A node-local file that stood for a step until the step's event was stored (a freeze's
+    record beside the job, node/freezer.py): removed after the store, so a failed store leaves it
+    and the next tick takes the step up again."""
+    path: str
+
+
+Effect = Union[Sample, KillProcesses, RemoveCheckpoints, RemoveFile]
 
 
 @dataclass(frozen=True)
@@ -104,3 +112,5 @@ def perform(e: Effect, ckpt_dir: Callable[[int], Path]) -> None:
         processes.kill_pids(list(e.ranks), uid)
     elif isinstance(e, RemoveCheckpoints):
         shutil.rmtree(ckpt_dir(e.job_id), ignore_errors=True)
+    elif isinstance(e, RemoveFile):
+        Path(e.path).unlink(missing_ok=True)

@@ -155,6 +155,17 @@ def park_plan(job: JobView, ram_room: float, spillable: Callable[[], Sequence[Jo
     return ParkPlan(best[2], best[0], best[3]) if best is not None else None
 
 
+def room_kept(job: JobView, ram_room: float) -> Optional[float]:
+    """The RAM room above which `park_plan(job, room, ...)` gives the answer it gave at `ram_room`
+    whatever the room and the spillables (None: only at that room and those spillables): any room
+    for a job that cannot go to RAM, and any room that still holds it for one that went there
+    without spilling."""
+    if not job.preemptible or "ram" not in job.tiers:
+        return -UNLIMITED
+    nbytes = job.mem_bytes * (job.gpus if job.gpus > 1 else 1)
+    return nbytes if ram_room >= nbytes else None
+
+
 def disk_plan(job: JobView, costs: SwitchCosts, config: PolicyConfig) -> Optional[ParkPlan]:
     """`park_plan`'s disk choice alone (RAM ruled out: what the park would leave on the GPU is in
     the way, policy/residue.py), or None when the job cannot go to disk."""

@@ -21,7 +21,7 @@ from typing import Hashable, Optional
 from gpuswap.policy.cluster import ClusterState
 from gpuswap.policy.model import JobView, Snapshot
 from gpuswap.policy.specs import Ctx, Spec
-from gpuswap.policy.victims import Chosen, Victim, eligible, pairs_by_node, plan_on, scored
+from gpuswap.policy.victims import Chosen, Victim, eligible, pairs_by_node, plan_on, scored, under_switch_cap
 
 _Plan = tuple[tuple, str, Chosen]        # ((worst victim key, GPU-s, victims, node), node, victims)
 
@@ -76,6 +76,7 @@ class Preemption:
         self.gone: set[str] = set()                   # victims taken this round
         self.room_at: dict[int, int] = {}             # level gap -> most GPUs one node could free for it
         self._plans: dict[Hashable, _Plans] = {}
+        self._scores: dict = {}                       # `victims.scored`'s memo for the round
 
     def _index(self) -> None:
         if self._levels is None:
@@ -100,7 +101,8 @@ class Preemption:
     def _ranked(self, node: str) -> list[tuple[tuple, Victim]]:
         r = self.ranked.get(node)
         if r is None:
-            r = self.ranked[node] = scored(self.victims_on(node), self.cl, self.snap, self.spec, self.ctx)
+            r = self.ranked[node] = scored(self.victims_on(node), self.cl, self.snap, self.spec, self.ctx,
+                                           self._scores)
         return r
 
     def plan(self, w: JobView, lw: tuple) -> Optional[tuple[str, Chosen]]:
@@ -202,6 +204,8 @@ class Preemption:
                 for node in group.members:
                     self._groups_on[node].append(group)
         cl, snap, spec, ctx, gone, groups = self.cl, self.snap, self.spec, self.ctx, self.gone, self.groups
+        # No residue anywhere: a victim scored at its node's RAM version keeps its plan (`plan_on`).
+        fast, version, cap, gate = not cl.residue, cl.ram_version, spec.switch_cap, spec.benefit_ok
         while self._first < len(groups) and not groups[self._first].left:
             self._first += 1
         for k in range(self._first, len(groups)):
@@ -211,13 +215,21 @@ class Preemption:
             if not group.left:
                 continue
             if group.ranked is None:
-                group.ranked = scored([c for cs in group.members.values() for c in cs], cl, snap, spec, ctx)
+                group.ranked = scored([c for cs in group.members.values() for c in cs], cl, snap, spec, ctx,
+                                      self._scores)
             ranked = group.ranked
             while group.start < len(ranked) and ranked[group.start][1].job.id in gone:
                 group.start += 1
             for i in range(group.start, len(ranked)):
                 vkey, c = ranked[i]
-                if c.job.id in gone:
+                v = c.job
+                if v.id in gone:
+                    continue
+                if fast and c.seen == version[c.node] and v.residue_bytes <= 0 and v.assigned:
+                    # `plan_on` for one victim whose plan is as scored, written out
+                    cost = c.plan.per_gpu_s(v)
+                    if (not cap or under_switch_cap(v, cost, snap)) and (gate is None or gate(w, v, ctx, cost)):
+                        return c.node, [(v, c.plan)]
                     continue
                 plan = plan_on(w, lw, c.node, [(vkey, c)], 1, cl, snap, spec, ctx)
                 if plan is not None:
@@ -273,7 +285,7 @@ class Preemption:
         if group.ranked is None:
             return
         old = [c.key for c in members]
-        fresh = scored(members, self.cl, self.snap, self.spec, self.ctx)
+        fresh = scored(members, self.cl, self.snap, self.spec, self.ctx, self._scores)
         if old != [c.key for c in members]:
             kept = [e for e in group.ranked if e[1].node != node and e[1].job.id not in self.gone]
             kept += fresh

@@ -16,7 +16,8 @@ from operator import itemgetter
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
-from gpuswap.policy.costs import ParkPlan, costs_of, costs_on, job_bytes, park_plan, spill_penalty_gpu_s, switch_s
+from gpuswap.policy.costs import (ParkPlan, costs_of, costs_on, job_bytes, park_plan, room_kept, spill_penalty_gpu_s,
+                                  switch_s)
 from gpuswap.policy.model import JobView, Phase, Snapshot
 from gpuswap.policy.residue import after_park
 from gpuswap.policy.specs import Ctx, Spec
@@ -167,16 +168,32 @@ def pairs_by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) ->
     return out
 
 
-def scored(victims: list[Victim], cl: ClusterState, snap: Snapshot, spec: Spec,
-           ctx: Ctx) -> list[tuple[tuple, Victim]]:
+def scored(victims: list[Victim], cl: ClusterState, snap: Snapshot, spec: Spec, ctx: Ctx,
+           memo: Optional[dict[tuple[str, str], tuple]] = None) -> list[tuple[tuple, Victim]]:
     """Victims in the policy's victim order, each keyed with the cost of its cheapest park plan
-    (kept on the victim: `plan_on` reuses it while its node's RAM room is unchanged)."""
+    (kept on the victim: `plan_on` reuses it while its node's RAM room is unchanged).
+
+    `memo` (one round's: (job, node) -> (RAM version, room kept, plan, key)) answers a victim
+    scored before when its plan still holds: at the same RAM version of its node (the plan reads
+    only the node's RAM room and spillables, and `ClusterState.ram_version` moves with both), or
+    while the room stays above what `costs.room_kept` says; the key reads the job, the round's
+    context and the cost. A round scores a node's victims again after each pause there, and the
+    victims of a level again in `Preemption`'s groups."""
     out = []
+    ram_version, ram_free = cl.ram_version, cl.ram_free
     for c in victims:
-        c.plan = park_plan(c.job, cl.ram_free[c.node], lambda n=c.node: cl.spillable_on(n),
-                           costs_on(snap, c.node), snap.config)
-        c.seen = cl.ram_version[c.node]
-        c.key = None if c.plan is None else spec.victim(c.job, ctx, c.plan.per_gpu_s(c.job))
+        node = c.node
+        seen = ram_version[node]
+        hit = memo.get((c.job.id, node)) if memo is not None else None
+        if hit is not None and (hit[0] == seen or (hit[1] is not None and ram_free[node] >= hit[1])):
+            c.plan, c.key = hit[2], hit[3]
+        else:
+            room = ram_free[node]
+            c.plan = park_plan(c.job, room, lambda n=node: cl.spillable_on(n), costs_on(snap, node), snap.config)
+            c.key = None if c.plan is None else spec.victim(c.job, ctx, c.plan.per_gpu_s(c.job))
+            if memo is not None:
+                memo[c.job.id, node] = (seen, room_kept(c.job, room), c.plan, c.key)
+        c.seen = seen
         if c.key is not None:
             out.append((c.key, c))
     out.sort(key=itemgetter(0))
@@ -194,7 +211,8 @@ def plan_on(w: JobView, lw: tuple, node: str, ranked: list[tuple[tuple, Victim]]
     LAS band) only for them to preempt a higher band in turn -- a cascade that made 8x more
     preemptions on a Philly window.
     """
-    ram_left = cl.ram_free[node]
+    ram_left = room = cl.ram_free[node]
+    version = cl.ram_version[node]
     spilled: set[str] = set()                         # spill candidates this plan already uses
     chosen: Chosen = []
     total = 0.0
@@ -205,9 +223,10 @@ def plan_on(w: JobView, lw: tuple, node: str, ranked: list[tuple[tuple, Victim]]
         if not lw < c.level:
             continue
         v = c.job
-        if not spilled and ram_left == cl.ram_free[node] and c.seen == cl.ram_version[node]:
-            plan = c.plan                   # as scored: nothing on this node has changed since
-        else:
+        if c.seen == version and ((not spilled and ram_left == room)
+                                  or ((kept := room_kept(v, room)) is not None and ram_left >= kept)):
+            plan = c.plan                   # as scored (nothing on this node has changed since), or
+        else:                               # the room this plan leaves still holds it: the same answer
             plan = park_plan(v, ram_left, lambda: [p for p in cl.spillable_on(node) if p.id not in spilled],
                              costs_on(snap, node), snap.config)
         if plan is None:

@@ -23,6 +23,7 @@ PINNED_KEEP_S = "GPUSWAP_PINNED_KEEP_S"          # seconds an idle pinned host b
 PREFAULT = "GPUSWAP_PREFAULT"                    # "0": no host buffers prepared when a pause is asked
 USAGE_INTERVAL_S = "GPUSWAP_USAGE_INTERVAL_S"    # seconds between usage reports (tests shorten it)
 SIM_CONTEXT_BYTES = "GPUSWAP_SIM_CONTEXT_BYTES"  # a simulated CUDA context's size (simcuda.py)
+SIM_DEVICES = "GPUSWAP_SIM_DEVICES"  # simulated GPUs: the device ordinals a job's tensors live on (runtime/simdevice.py)
 SLURM = "GPUSWAP_SLURM"                          # "0" keeps the runtime off under Slurm
 SLURM_SIGNALS = "GPUSWAP_SLURM_SIGNALS"          # e.g. "USR2,TERM" (default), "USR1", "none"
 SLURM_REQUEUE = "GPUSWAP_SLURM_REQUEUE"          # "scontrol" (default) | "exit"

@@ -58,7 +58,7 @@ class Job:
         "step", "state", "start_step", "restored_step", "restored_bytes", "restore_s", "config", "_items",
         "_pending", "_cond", "_phase", "_tier_req", "_resume_req", "_client", "_last_bytes", "_max_bytes",
         "_measure_req", "_owner", "restore_note", "_outside", "_serve_pause", "_before_exit", "attach_no",
-        "checkpoint_of", "attach_sigs", "_expected",
+        "checkpoint_of", "attach_sigs", "_expected", "_sim",
     )
     inside = True
     prepares_ahead = True   # host buffers prepared when a pause is asked (prefault.py); a rank's
@@ -81,6 +81,7 @@ class Job:
         self.checkpoint_of: int | None = None    # the attach whose checkpoint this one found and left alone
         self.attach_sigs: tuple[str, ...] = ()   # objects.signature of the process's attaches up to this one
         self.config = config
+        self._sim = config.simulated   # safepoint's one extra test (a slot, as `_pending`)
         self._items = items
         self._pending = False  # the one flag safepoint reads: a pause or a measurement is asked for
         self._cond = threading.Condition()
@@ -101,6 +102,8 @@ class Job:
     def safepoint(self, step: int) -> None:
         """Call after each completed step. Returns at once unless a pause (or, every few
         seconds, a measurement of device memory) was asked for."""
+        if self._sim:
+            simdevice.step()   # the step's CUDA calls: they block while the driver holds the process
         self.step = step
         if self._pending:
             self._serve()

@@ -19,7 +19,9 @@ Only the devices the attached tensors live on are synchronised or touched; a GPU
 used gets no CUDA context from the runtime (under torchrun or Slurm each one would cost ~0.5 GiB).
 
 Under a simulated GPU (`GPUSWAP_SIMULATED_GPU=1`) CPU tensors stand for device memory and the
-same code runs with device "cpu" and pageable host buffers.
+same code runs with device "cpu" and pageable host buffers. A CPU tensor on a zero-byte storage
+does not fail as a freed GPU one does (`.to("cpu")` returns it, kernels read out of bounds), so
+while released, a simulated park's tensors are guarded in the parking thread (runtime/freedguard.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from gpuswap.runtime import pinned, prefault, reach
+from gpuswap.runtime import freedguard, pinned, prefault, reach
 
 
 class ParkRefused(RuntimeError):
@@ -59,6 +61,7 @@ class RamPark:
     pinned: bool = False
     released: bool = False
     keep_device: bool = False   # copies only: device memory stays (a disk park with CUDA graphs)
+    guarded: bool = False       # simulated GPUs: its freed storages are guarded (freedguard.py)
     lease: Optional[pinned.Lease] = None
     pool: Optional[pinned.HostPool] = None
 
@@ -233,6 +236,8 @@ def release(park: RamPark, simulated: bool) -> None:
         if not slot.resizable:
             slot.storage = None  # the last reference: its memory goes now
     park.released = True
+    if simulated:
+        park.guarded = freedguard.arm(park)      # reading a freed tensor fails, as on a GPU
     empty_device_cache(simulated)
 
 
@@ -266,6 +271,9 @@ def restore(park: RamPark, simulated: bool) -> float:
     t0 = time.perf_counter()
     if not park.released:
         return 0.0
+    if park.guarded:
+        freedguard.disarm(park)   # the refill writes into the freed storages
+        park.guarded = False
     try:
         _refill(list(park.slots.values()))
     except Exception:
@@ -275,6 +283,8 @@ def restore(park: RamPark, simulated: bool) -> float:
             else:
                 _free(slot)
                 slot.storage = None
+        if simulated:
+            park.guarded = freedguard.arm(park)
         empty_device_cache(simulated)
         raise
     park.released = False
@@ -309,7 +319,10 @@ def leave_on_host(park: RamPark, tensors: Iterable[Any]) -> int:
 
 def drop_host(park: RamPark) -> None:
     """Forget the host copies: their buffers go back to the pool, which unpins and frees them
-    later on its own thread (never inside a timed resume)."""
+    later on its own thread (never inside a timed resume). A simulated park's guard goes with them."""
+    if park.guarded:
+        freedguard.disarm(park)
+        park.guarded = False
     park.slots.clear()
     if park.pool is not None:
         park.pool.give_back(park.lease)

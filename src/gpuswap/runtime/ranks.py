@@ -107,6 +107,8 @@ class RankJob(Job):
 
     # -- hot path --------------------------------------------------------------------------
     def safepoint(self, step: int) -> None:
+        if self._sim:
+            simdevice.step()   # the step's CUDA calls: they block while the driver holds the process
         self.step = step
         self.tick = t = self.tick + 1      # stored before the flag is tested (rankcursor.py)
         if self._pending:
