@@ -79,3 +79,39 @@ def test_a_new_account_under_an_old_name_does_not_list_the_old_accounts_jobs(mak
     assert code == 200 and all(j["id"] != rec["id"] for j in overview["jobs"]), overview
     code, mine = first.api(daemon.home, "GET", "/v1/jobs")
     assert code == 200 and [j["id"] for j in mine] == [rec["id"]], mine
+
+
+def test_live_and_finished_jobs_are_read_at_one_instant(tmp_path):
+    """The dashboard's overview lists live jobs, then the newest finished ones. A job that ended
+    between two separate reads was drawn twice (RUNNING and COMPLETED rows, CI saw it); read at
+    one instant, it is in exactly one list. The job is cancelled from another thread the moment the
+    live list has been read: the store must make that write wait for the second read."""
+    import threading
+
+    from gpuswap.jobs import JobState
+    from gpuswap.lifecycle import EventKind, NewEvent
+
+    store = Store(tmp_path / "state.db")
+    try:
+        (job,) = store.add_jobs([_job("racing", "carol", 1009)], 1.0)
+        real_list, writer = store.list, []
+
+        def cancel() -> None:
+            store.update(job, 2.0, NewEvent(EventKind.CANCELLED, "cancelled before it ran", initiator="user"),
+                         state=JobState.CANCELLED, end_time=2.0)
+
+        def list_then_end_it(*args, **kwargs):
+            out = real_list(*args, **kwargs)
+            if not writer:
+                writer.append(threading.Thread(target=cancel))
+                writer[0].start()
+                writer[0].join(0.5)   # done by now unless the store holds it off
+            return out
+
+        store.list = list_then_end_it
+        live, finished = store.live_and_recent_finished(1009, 5)
+        writer[0].join()
+        assert sorted([j.id for j in live] + [j.id for j in finished]) == [job], (live, finished)
+        assert store.get(job).state == JobState.CANCELLED
+    finally:
+        store.close()

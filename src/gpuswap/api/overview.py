@@ -86,7 +86,7 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
                    now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     devices = gpus.list()
-    live = store.list(live_only=True)
+    live, finished = store.live_and_recent_finished(None if who.admin else who.uid, RECENT_FINISHED)
     holders = holders_of(live)
     kept = kept_on(live)
     gpu_rows = [{
@@ -97,7 +97,6 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
         "residue": [{"job": j.id, "bytes": n} for j, n in kept.get((g.node, g.index), [])],
     } for g in devices]
     jobs = [job_summary(j, who, now, controller.wait_of(j)) for j in live]
-    finished = store.recent_finished(None if who.admin else who.uid, RECENT_FINISHED)
     jobs += [job_summary(j, who, now, None) for j in finished]
     tiers = {"ram": 0, "disk": 0}
     for j in live:

@@ -305,6 +305,13 @@ class Store:
             ids = [r[0] for r in self._db.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, n]).fetchall()]
         return self._records(ids, argv=False)
 
+    def live_and_recent_finished(self, uid: Optional[int], n: int) -> tuple[list[JobRecord], list[JobRecord]]:
+        """Every live job and the `n` newest finished ones (of `uid`), read at one instant: every
+        write holds the same lock, so a job that ends between the two reads cannot be in both
+        lists (the dashboard drew such a job twice) nor in neither."""
+        with self._lock:
+            return self.list(live_only=True), self.recent_finished(uid, n)
+
     def expired(self, ended_before: float, limit: int) -> list[int]:
         """Ids of finished jobs that ended before `ended_before`, oldest first."""
         with self._lock:
