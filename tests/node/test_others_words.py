@@ -115,3 +115,25 @@ def test_live_and_finished_jobs_are_read_at_one_instant(tmp_path):
         assert store.get(job).state == JobState.CANCELLED
     finally:
         store.close()
+
+
+def test_the_runtime_predictor_learns_from_a_uids_runs_not_a_names(tmp_path):
+    """An account made again under a deleted one's name (another uid) gets no estimate from the
+    first one's runs, neither from its recorded jobs nor from what the retention sweep kept."""
+    from gpuswap.jobs import JobState
+    from gpuswap.lifecycle import EventKind, NewEvent
+
+    store = Store(tmp_path / "state.db")
+    try:
+        first = store.add_jobs([_job("train", "carol", 1009), _job("train", "carol", 1009)], 1.0)
+        for n, job in enumerate(first):
+            store.update(job, 2.0 + n, NewEvent(EventKind.STARTED, "started"), state=JobState.RUNNING, assigned=[0])
+            store.update(job, 100.0 + n, NewEvent(EventKind.COMPLETED, "exited with code 0"),
+                         state=JobState.COMPLETED, assigned=[], end_time=100.0 + n, run_s=98.0)
+        assert store.finished_runs(1009, "train", 5) == ([98.0, 98.0], [98.0, 98.0])
+        assert store.finished_runs(1999, "train", 5) == ([], [])
+        assert store.delete_finished(first[0])   # the sweep keeps what the predictor needs of it
+        assert store.finished_runs(1009, "train", 5) == ([98.0, 98.0], [98.0, 98.0])
+        assert store.finished_runs(1999, "train", 5) == ([], [])
+    finally:
+        store.close()

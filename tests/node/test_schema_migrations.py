@@ -356,7 +356,7 @@ def test_version_4_adds_the_runtime_estimate_and_old_finished_jobs_feed_the_pred
         done = [j for j in jobs if j.state.value == "COMPLETED" and j.end_time is not None]
         assert done, "the saved release has a completed job"
         j = max(done, key=lambda j: (j.end_time, j.id))
-        same, any_name = store.finished_runs(j.user, j.name, 5)
+        same, any_name = store.finished_runs(j.uid, j.name, 5)
         assert same[-1] == j.run_s and any_name[-1] == j.run_s
         [new] = store.add_jobs([NewJob(name="train", user="u", uid=1, gid=1, argv=["true"], cwd="/", env={},
                                        priority=1, gpus=1, mem_bytes=0, time_limit_s=3600.0, estimate_s=3600.0,
@@ -390,3 +390,35 @@ def test_version_7_keeps_a_single_daemons_bandwidths_as_its_own_and_adds_each_no
     finally:
         store.close()
     assert layout(path) == layout(fresh(tmp_path / "fresh.db"))
+
+
+def test_version_10_gives_kept_runs_the_uid_of_their_names_jobs_where_there_is_one(tmp_path):
+    """The predictor learns by uid (an account made again under a deleted one's name learns nothing
+    from the first one's runs). A run the sweep kept before gains the uid its name's recorded jobs
+    all have; with none recorded, or two uids under the name, it gets none and predicts for nobody."""
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, STEPS[:9]) == list(range(1, 10))
+    db.close()
+    store = Store(path)          # at version 10 from here; the rows below are as version 9 left them
+    try:
+        store.add_jobs([NewJob(name="x", user=user, uid=uid, gid=uid, argv=["true"], cwd="/", env={}, priority=1,
+                               gpus=1, mem_bytes=0) for user, uid in (("carol", 1009), ("erin", 1010), ("erin", 1011))],
+                       1.0)
+    finally:
+        store.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executemany("INSERT INTO kept_runs (job_id,user,name,run_s,end_time) VALUES (?,?,?,?,?)",
+                   [(100, "carol", "train", 60.0, 5.0), (101, "dave", "train", 70.0, 6.0),
+                    (102, "erin", "train", 80.0, 7.0)])
+    db.execute("PRAGMA user_version=9")
+    assert schema.migrate(db, path, STEPS) == [10]
+    assert db.execute("SELECT job_id, uid FROM kept_runs ORDER BY job_id").fetchall() == [
+        (100, 1009), (101, None), (102, None)]
+    db.close()
+    store = Store(path)
+    try:
+        assert store.finished_runs(1009, "train", 5) == ([60.0], [60.0])
+        assert store.finished_runs(1010, "train", 5) == ([], [])
+    finally:
+        store.close()

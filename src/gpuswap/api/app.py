@@ -124,7 +124,7 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             raise HTTPException(400, problem)
         name = req.name or os.path.basename(req.argv[0])
         # Its runtime estimate, once, from what finished before it (the simulator's rule too).
-        est = estimate(req.time_limit_s, *store.finished_runs(who.user, name, RECENT))
+        est = estimate(req.time_limit_s, *store.finished_runs(who.uid, name, RECENT))
         [job_id] = store.add_jobs([NewJob(name=name, user=who.user, uid=who.uid, gid=who.gid, argv=req.argv,
                                           cwd=req.cwd, env=req.env, priority=int(prio), gpus=req.gpus,
                                           mem_bytes=mem, preemptible=req.preemptible,

@@ -118,18 +118,19 @@ class Store:
         """The row as the open transaction sees it, without its argv (the lifecycle checks read it)."""
         row = self._db.execute(f"SELECT {RECORD_COLUMNS_NO_ARGV} FROM jobs j WHERE j.id=?", (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
-    def finished_runs(self, user: str, name: str, limit: int) -> tuple[list[float], list[float]]:
-        """Run-seconds of the user's last `limit` completed jobs of this name, and of any name,
-        oldest first: what the runtime predictor learns from (policy/estimate.py). Jobs the
-        retention sweep deleted count through what it kept of them (`kept_runs`, `KEPT_RUNS` per
-        family: a `limit` above it sees fewer of them)."""
+    def finished_runs(self, uid: int, name: str, limit: int) -> tuple[list[float], list[float]]:
+        """Run-seconds of the uid's last `limit` completed jobs of this name, and of any name,
+        oldest first: what the runtime predictor learns from (policy/estimate.py). By uid, as
+        listings are: an account made again under a deleted one's name learns nothing from the
+        first one's runs. Jobs the retention sweep deleted count through what it kept of them
+        (`kept_runs`, `KEPT_RUNS` per family: a `limit` above it sees fewer of them)."""
         done = JobState.COMPLETED.value
-        runs = ("SELECT run_s, end_time, id FROM jobs WHERE user=? AND end_time IS NOT NULL AND state=? {also} "
-                "UNION ALL SELECT run_s, end_time, job_id FROM kept_runs WHERE user=? {also} "
+        runs = ("SELECT run_s, end_time, id FROM jobs WHERE uid=? AND end_time IS NOT NULL AND state=? {also} "
+                "UNION ALL SELECT run_s, end_time, job_id FROM kept_runs WHERE uid=? {also} "
                 "ORDER BY end_time DESC, id DESC LIMIT ?")
         with self._lock:
-            same = self._db.execute(runs.format(also="AND name=?"), (user, done, name, user, name, limit)).fetchall()
-            any_ = self._db.execute(runs.format(also=""), (user, done, user, limit)).fetchall()
+            same = self._db.execute(runs.format(also="AND name=?"), (uid, done, name, uid, name, limit)).fetchall()
+            any_ = self._db.execute(runs.format(also=""), (uid, done, uid, limit)).fetchall()
         return [r[0] for r in reversed(same)], [r[0] for r in reversed(any_)]
 
     def get(self, job_id: int) -> Optional[JobRecord]:
@@ -342,14 +343,14 @@ class Store:
         """In the open transaction: what the predictor needs of a completed job about to be deleted,
         and its family trimmed to its newest `KEPT_RUNS` (a failed or cancelled run predicts nothing,
         as `finished_runs` reads)."""
-        row = self._db.execute("SELECT user, name FROM jobs WHERE id=? AND state=? AND end_time IS NOT NULL",
+        row = self._db.execute("SELECT uid, name FROM jobs WHERE id=? AND state=? AND end_time IS NOT NULL",
                                (job_id, JobState.COMPLETED.value)).fetchone()
         if row is None:
             return
-        self._db.execute("INSERT OR REPLACE INTO kept_runs (job_id,user,name,run_s,end_time) "
-                         "SELECT id,user,name,run_s,end_time FROM jobs WHERE id=?", (job_id,))
-        self._db.execute("DELETE FROM kept_runs WHERE user=? AND name=? AND job_id NOT IN (SELECT job_id FROM "
-                         "kept_runs WHERE user=? AND name=? ORDER BY end_time DESC, job_id DESC LIMIT ?)",
+        self._db.execute("INSERT OR REPLACE INTO kept_runs (job_id,user,uid,name,run_s,end_time) "
+                         "SELECT id,user,uid,name,run_s,end_time FROM jobs WHERE id=?", (job_id,))
+        self._db.execute("DELETE FROM kept_runs WHERE uid=? AND name=? AND job_id NOT IN (SELECT job_id FROM "
+                         "kept_runs WHERE uid=? AND name=? ORDER BY end_time DESC, job_id DESC LIMIT ?)",
                          (*row, *row, KEPT_RUNS))
 
     def events(self, job_id: int) -> list[Event]:
