@@ -74,6 +74,30 @@ def test_the_store_refuses_an_illegal_edge_and_writes_nothing(tmp_path):
     store.close()
 
 
+def test_a_users_request_on_a_job_that_ended_meanwhile_is_refused_and_its_end_kept(tmp_path):
+    """The API reads a job, checks the request, then writes it: a job that ended in between must
+    keep its reason and its last event, not take "cancel requested by u" over "exited with code 0"
+    (nor a hold). The store checks the request in the write's transaction."""
+    store, job = _store(tmp_path)
+    pending = (store.get(job), store.events(job))
+    for kind in (K.PAUSE_REQUESTED, K.RESUME_REQUESTED):          # a pending job has no process yet
+        with pytest.raises(lifecycle.RequestTooLate):
+            store.update(job, 2.0, hold=kind is K.PAUSE_REQUESTED, event=NewEvent(kind, "asked", initiator="user"))
+    assert (store.get(job), store.events(job)) == pending
+    store.update(job, 3.0, state=JobState.RUNNING, assigned=[0], event=NewEvent(K.STARTED, "started on GPU 0"))
+    store.update(job, 4.0, state=JobState.COMPLETED, assigned=[], end_time=4.0, exit_code=0,
+                 event=NewEvent(K.COMPLETED, "exited with code 0"))
+    ended = (store.get(job), store.events(job))
+    for kind, changes in ((K.CANCEL_REQUESTED, dict(cancel_requested=True, hold=False)),
+                          (K.PAUSE_REQUESTED, dict(hold=True, hold_tier="ram")), (K.RESUME_REQUESTED, dict(hold=False))):
+        with pytest.raises(lifecycle.RequestTooLate) as e:
+            store.update(job, 5.0, event=NewEvent(kind, f"{kind.value} by u", initiator="user"), **changes)
+        assert e.value.state == JobState.COMPLETED
+    assert (store.get(job), store.events(job)) == ended
+    assert store.get(job).reason == "exited with code 0"
+    store.close()
+
+
 def test_old_events_get_their_kind_once_from_their_wording(tmp_path):
     """A database from before events had kinds (schema version 1): the migration infers kind, tier,
     mechanism and initiator from the wording of that time; a sentence it does not know stays NULL."""

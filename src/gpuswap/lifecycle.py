@@ -208,6 +208,29 @@ def may_resume(state: JobState) -> bool:
     return state in _WITH_PROCESS
 
 
+class RequestTooLate(IllegalTransition):
+    """A user's request that found its job in a state it cannot mean anything in: the job changed
+    (it ended) between the API's read of it and the write of the request. Not a bug: an answer."""
+
+    def __init__(self, state: JobState, kind: EventKind):
+        super().__init__(f"a {kind.value} on a job that is {state.value}")
+        self.state = state
+
+
+# A user's request is written only where it still means something, checked in the write's own
+# transaction: the API checks first, but a job that ends between that read and the write must keep
+# its end (its reason, its last event), not take the request's sentence as its reason.
+_REQUESTS = {K.CANCEL_REQUESTED: may_cancel, K.PAUSE_REQUESTED: may_pause, K.RESUME_REQUESTED: may_resume}
+REQUESTS = frozenset(_REQUESTS)
+
+
+def check_request(state: JobState, kind: Optional[EventKind]) -> None:
+    """Raise RequestTooLate where `kind` is a user's request that `state` no longer admits."""
+    allowed = _REQUESTS.get(kind) if kind is not None else None
+    if allowed is not None and not allowed(state):
+        raise RequestTooLate(state, kind)
+
+
 @dataclass(frozen=True)
 class Parked:
     """Where a PAUSED (or RESUMING) job's GPU state is, as one record."""

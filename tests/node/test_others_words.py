@@ -109,7 +109,9 @@ def test_live_and_finished_jobs_are_read_at_one_instant(tmp_path):
             return out
 
         store.list = list_then_end_it
-        live, finished = store.live_and_recent_finished(1009, 5)
+        with store.at_one_instant():
+            live = store.list(live_only=True)
+            finished = store.recent_finished(1009, 5)
         writer[0].join()
         assert sorted([j.id for j in live] + [j.id for j in finished]) == [job], (live, finished)
         assert store.get(job).state == JobState.CANCELLED

@@ -341,6 +341,6 @@ def test_a_pools_gpu_count_per_node_says_whether_its_gpus_are_simulated():
     controller = SimpleNamespace(pool=SimpleNamespace(ram_budget=lambda node, default: 1),
                                  config=SimpleNamespace(ram_budget=1))
     live = [SimpleNamespace(node="n2", state=JobState.RUNNING, parked=None, parked_bytes=0)]   # n2 does not answer
-    fams = {f.name: f for f in GpuswapCollector(None, controller, Pool())._nodes(live)}
+    fams = {f.name: f for f in GpuswapCollector(None, controller, Pool())._nodes(live, Pool().list())}
     got = {(s.labels["node"], s.labels.get("simulated")): s.value for s in fams["gpuswap_node_gpus"].samples}
     assert got == {("n1", "true"): 1, ("n2", "true"): 0}

@@ -156,8 +156,10 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
 
     @app.get("/v1/jobs/{job_id}", responses=errors(e404=NO_JOB))
     def show(job_id: JobId, who: Caller = Depends(caller)) -> dict[str, Any]:
-        job = own_job(job_id, who)
-        return record(job, store.events(job_id), log_path(controller.pool, job, launcher))
+        with store.at_one_instant():      # the record and its events as of one instant
+            job = own_job(job_id, who)
+            events = store.events(job_id)
+        return record(job, events, log_path(controller.pool, job, launcher))
 
     @app.get("/v1/jobs/{job_id}/wait", responses=errors(e404=NO_JOB))
     async def wait(job_id: JobId, timeout: float = Query(MAX_WAIT_S, ge=0, le=86400),
@@ -183,8 +185,11 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
             if not lifecycle.may_cancel(job.state):
                 raise HTTPException(409, f"job {job_id} already ended ({job.state.value})")
             if not job.cancel_requested:
-                store.update(job_id, time.time(), cancel_requested=True, hold=False,
-                             event=NewEvent(K.CANCEL_REQUESTED, f"cancel requested by {who.user}", initiator="user"))
+                try:
+                    store.update(job_id, time.time(), cancel_requested=True, hold=False, event=NewEvent(
+                        K.CANCEL_REQUESTED, f"cancel requested by {who.user}", initiator="user"))
+                except lifecycle.RequestTooLate as e:     # it ended since it was read
+                    raise HTTPException(409, f"job {job_id} already ended ({e.state.value})") from None
             controller.wake()
 
         await anyio.to_thread.run_sync(ask)
@@ -216,9 +221,12 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                 return spill, {**record(job), "nothing_done": done}
             # Only the user's intent is written (hold, and the tier asked for); the controller turns it
             # into the pause or the spill, and answers here by moving the job or refusing the request.
-            store.update(job_id, time.time(), hold=True, hold_tier=req.to, event=NewEvent(
-                K.PAUSE_REQUESTED, f"spill to disk requested by {who.user}" if spill
-                else f"pause to {req.to} requested by {who.user}", tier=req.to, initiator="user"))
+            try:
+                store.update(job_id, time.time(), hold=True, hold_tier=req.to, event=NewEvent(
+                    K.PAUSE_REQUESTED, f"spill to disk requested by {who.user}" if spill
+                    else f"pause to {req.to} requested by {who.user}", tier=req.to, initiator="user"))
+            except lifecycle.RequestTooLate as e:         # it ended since it was read
+                raise HTTPException(409, f"job {job_id} is {e.state.value}; only a started job can be paused") from None
             controller.wake()
             return spill, None
 
@@ -256,8 +264,11 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                     f"job {job_id} is {job.state.value} by the scheduler, not held by a user; it resumes on "
                     "its own when its GPUs are free; nothing to resume")
             return {**record(job), "nothing_done": done}
-        store.update(job_id, time.time(), hold=False, event=NewEvent(
-            K.RESUME_REQUESTED, f"resume requested by {who.user}; it runs when its GPUs are free", initiator="user"))
+        try:
+            store.update(job_id, time.time(), hold=False, event=NewEvent(
+                K.RESUME_REQUESTED, f"resume requested by {who.user}; it runs when its GPUs are free", initiator="user"))
+        except lifecycle.RequestTooLate as e:             # it ended since it was read
+            raise HTTPException(409, f"job {job_id} is {e.state.value}; only a paused job can be resumed") from None
         controller.wake()
         return record(store.get(job_id) or job)
 

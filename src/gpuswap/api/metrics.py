@@ -168,17 +168,19 @@ class GpuswapCollector(Collector):
         self.fold = EventFold()
 
     def collect(self) -> Iterator[object]:
-        self.fold.advance(self.store)
-        live = self.store.list(live_only=True)
+        with self.store.at_one_instant():  # a job ending between the reads would be in neither count
+            self.fold.advance(self.store)
+            live = self.store.list(live_only=True)
+        devices = self.gpus.list()          # once: a pool node that stops answering mid-scrape disagrees with no series
         info = GaugeMetricFamily("gpuswap_build_info", "gpuswap version and GPU kind", labels=["version", "simulated"])
         info.add_metric([gpuswap.__version__, str(self.gpus.simulated).lower()], 1)
         yield info
-        yield from self._gpus(live)
-        yield from self._jobs(live)
-        yield from self._nodes(live)
+        yield from self._gpus(live, devices)
+        yield from self._jobs(live, devices)
+        yield from self._nodes(live, devices)
         yield from self._fold()
 
-    def _gpus(self, live: list) -> Iterator[object]:
+    def _gpus(self, live: list, devices: list) -> Iterator[object]:
         total = GaugeMetricFamily("gpuswap_gpu_memory_total_bytes", "GPU memory", labels=["gpu", "simulated"])
         used = GaugeMetricFamily("gpuswap_gpu_memory_used_bytes",
                                  "GPU memory in use (NVML; simulated GPUs: the simulated device's process list "
@@ -191,7 +193,7 @@ class GpuswapCollector(Collector):
                                   labels=["gpu", "simulated", "state"])
         jobs = GaugeMetricFamily("gpuswap_gpu_jobs", "jobs whose memory is on the GPU", labels=["gpu", "simulated"])
         kept = kept_on(live)
-        for g in self.gpus.list():
+        for g in devices:
             holders = [j for j in live if j.node == g.node and g.index in j.assigned]
             name = str(g.index) if g.node is None else f"{g.node}:{g.index}"    # a pool's: node:index
             lab = [name, str(g.simulated).lower()]
@@ -203,7 +205,7 @@ class GpuswapCollector(Collector):
             jobs.add_metric(lab, sum(1 for j in holders if j.holds_gpu))
         yield from (total, used, state, jobs)
 
-    def _jobs(self, live: list) -> Iterator[object]:
+    def _jobs(self, live: list, devices: list) -> Iterator[object]:
         by = GaugeMetricFamily("gpuswap_jobs", "live jobs by state and priority", labels=["state", "priority"])
         counts = {(s.value, p.label): 0 for s in JobState if not s.terminal for p in Priority}
         parked = {"ram": 0, "disk": 0}
@@ -219,18 +221,17 @@ class GpuswapCollector(Collector):
             tier.add_metric([t], n)
         yield tier
         yield GaugeMetricFamily("gpuswap_ram_budget_bytes", "host RAM parked jobs may hold (a pool: all nodes')",
-                                value=ram_budget(self.controller, ram_by_node(self.controller, self.gpus.list(), live)))
+                                value=ram_budget(self.controller, ram_by_node(self.controller, devices, live)))
         usage = GaugeMetricFamily("gpuswap_fair_share_usage_gpu_seconds",
                                   "decayed GPU-seconds per user (fair share)", labels=["user"])
         for u, v in sorted(dict(self.controller.usage).items()):
             usage.add_metric([u], v)
         yield usage
 
-    def _nodes(self, live: list) -> Iterator[object]:
+    def _nodes(self, live: list, devices: list) -> Iterator[object]:
         """A pool's nodes (docs/ray.md): GPUs each lists now and live jobs placed on each, by state.
         Nothing on one machine (its GPUs and jobs carry no node), so its scrape is as it was. A
         node that does not answer lists no GPUs here while its jobs still count on it."""
-        devices = self.gpus.list()
         nodes = sorted({g.node for g in devices if g.node is not None} | {j.node for j in live if j.node is not None})
         if not nodes:
             return

@@ -86,7 +86,9 @@ def build_overview(store: Store, controller: Controller, gpus: GpuInventory, who
                    now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     devices = gpus.list()
-    live, finished = store.live_and_recent_finished(None if who.admin else who.uid, RECENT_FINISHED)
+    with store.at_one_instant():
+        live = store.list(live_only=True)
+        finished = store.recent_finished(None if who.admin else who.uid, RECENT_FINISHED)
     holders = holders_of(live)
     kept = kept_on(live)
     gpu_rows = [{

@@ -12,8 +12,9 @@ import json
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from gpuswap import lifecycle
 from gpuswap.jobs import ENDED, JobState
@@ -172,7 +173,8 @@ class Store:
         The event's state is the job's state after the change. A change of state, or an event of a
         kind that moves jobs, must be an edge of gpuswap.lifecycle's table, and the record it leaves
         must carry what its state does (lifecycle.CARRIES): otherwise IllegalTransition (or its
-        InvalidRecord) is raised and nothing is written. A bare sentence is an event of no kind
+        InvalidRecord) is raised and nothing is written; a user's request the job's state no longer
+        admits (it ended since the caller read it) raises RequestTooLate. A bare sentence is an event of no kind
         (it can change no state); `initiator` ('policy' or 'user') says who asked, when `event`
         does not.
         """
@@ -183,10 +185,11 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 kind = ev.kind if ev is not None else None
-                if "state" in changes or (kind is not None and kind not in lifecycle.NOTES):
+                if "state" in changes or (kind is not None and (kind not in lifecycle.NOTES or kind in lifecycle.REQUESTS)):
                     row = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
                     if row is not None:
                         new = changes.get("state")
+                        lifecycle.check_request(JobState(row[0]), kind)
                         lifecycle.check(JobState(row[0]), kind, JobState(new) if new is not None else None)
                 carried = not lifecycle.CARRIED_FIELDS.isdisjoint(changes)
                 before = self._record(job_id) if carried else None
@@ -306,12 +309,14 @@ class Store:
             ids = [r[0] for r in self._db.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, n]).fetchall()]
         return self._records(ids, argv=False)
 
-    def live_and_recent_finished(self, uid: Optional[int], n: int) -> tuple[list[JobRecord], list[JobRecord]]:
-        """Every live job and the `n` newest finished ones (of `uid`), read at one instant: every
-        write holds the same lock, so a job that ends between the two reads cannot be in both
-        lists (the dashboard drew such a job twice) nor in neither."""
+    @contextmanager
+    def at_one_instant(self) -> Iterator[None]:
+        """Hold it to make several reads see one instant: every write holds the same lock, so a job
+        that ends between two reads (the live list, then the finished one; a record, then its events)
+        cannot show in both, in neither, or contradict itself (the dashboard drew such a job twice).
+        Hold it only for reads."""
         with self._lock:
-            return self.list(live_only=True), self.recent_finished(uid, n)
+            yield
 
     def expired(self, ended_before: float, limit: int) -> list[int]:
         """Ids of finished jobs that ended before `ended_before`, oldest first."""
