@@ -17,9 +17,17 @@ from rich.text import Text
 from gpuswap.jobs import ENDED, format_size
 from gpuswap.printable import printable
 
-console = Console(highlight=False)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (`gpuswap ls | head -1`): as for a plain print (cli/main.py), not a
+        failure. rich's own answer is exit 1 with no message, which fails a script's pipefail."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+console = _Console(highlight=False)
 if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
-    console = Console(highlight=False, width=200)
+    console = _Console(highlight=False, width=200)
 
 
 def plain(value: Any, style: str = "") -> Text:

@@ -229,3 +229,45 @@ def test_a_token_for_an_empty_user_name_is_refused(daemon):
         assert c.post("/v1/tokens", json={"user": ""}).status_code == 422
         assert c.get("/v1/tokens").json() == []               # none was made for the caller instead
         assert c.post("/v1/tokens", json={}).status_code == 201   # no user at all: the caller's own
+
+
+def test_a_token_id_that_is_not_one_is_one_line_exit_64_and_a_note_is_shown_as_written(daemon):
+    """A token id went into the request's path as typed: "" and "?x" reached other routes and ended
+    in a JSON traceback, "a b" in "lost the connection" (69). A note is another user's words in an
+    admin's `token ls`: control characters refused, markup shown as text ("[/]" crashed rich)."""
+    for bad in ("", "?x", "a/b", "a b", "a\nb", "../x", "0123456789AB", "0123456789a"):
+        r = daemon.cli("token", "revoke", bad)
+        assert r.returncode == 64 and "is not a token id" in r.stderr and r.stderr.count("\n") == 1, (bad, r)
+    r = daemon.cli("token", "revoke", "0123456789ab")
+    assert r.returncode == 1 and r.stderr == "gpuswap: no token 0123456789ab\n", r
+    r = daemon.cli("token", "create", "--note", "x\ny")
+    assert r.returncode == 64 and r.stderr == ("gpuswap: invalid request: note: note contains control characters "
+                                               "(escape sequences, newlines, tabs, ...)\n"), r
+    assert daemon.cli("token", "create", "--note", "[/]").returncode == 0
+    r = daemon.cli("token", "ls")
+    assert r.returncode == 0 and "[/]" in r.stdout and r.stderr == "", r
+
+
+def test_output_whose_reader_went_away_is_not_a_failure(daemon):
+    """`gpuswap ls | head -1` exited 1 with no message (rich's answer to EPIPE) and failed a
+    script's pipefail; a plain print's EPIPE was already 0. The reader here is gone before the CLI
+    writes a byte, so every write meets EPIPE."""
+    job = daemon.submit(["sleep", "600"], name="listed")
+    for args in (("ls",), ("gpus",), ("ls", "--json"), ("show", str(job))):
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            r = subprocess.run([sys.executable, "-m", "gpuswap.cli.main", *args], env=daemon.env, stdout=write,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert r.returncode == 0 and r.stderr == "", (args, r)
+    daemon.cli("cancel", str(job))
+
+
+def test_wait_on_a_job_that_never_ran_says_why_it_has_no_exit_code(daemon):
+    job = daemon.submit(["/nonexistent/command"], name="typo")
+    r = daemon.cli("wait", str(job))
+    assert r.returncode == 1, r
+    assert r.stderr == f"gpuswap wait: job {job} FAILED with no exit code: cannot start '/nonexistent/command': " \
+                       "No such file or directory\n", r

@@ -36,6 +36,7 @@ def test_register_sets_run():
     (["--trace", "{good}", "--tick", "0"], "--tick must be a number of seconds > 0"),
     (["--trace", "{good}", "--tick", "nan"], "--tick must be"),
     (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
+    (["--trace", "{good}", "--nodes", "99999999999"], "--nodes x --gpus-per-node must be at most 1,000,000 GPUs"),
     (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
     (["--trace", "{good}", "--multi-rank", "all"], "unknown --multi-rank 'all'; use cooperative or none"),
     (["--trace", "{good}", "--estimates", "oracle"], "unknown --estimates 'oracle'; use predicted or none"),

@@ -43,6 +43,15 @@ def test_malformed_rows_are_skipped_and_counted_by_reason(tmp_path):
         "2 GPUs not a positive number, e.g. line 5: '0'; 1 bad submit time, e.g. line 3: 'not-a-date'")
 
 
+def test_rows_past_any_real_job_are_skipped_and_counted(tmp_path):
+    """1e300 s took every later second into float rounding (a JCT of 0) and overflowed the plots."""
+    p = write(tmp_path, "submit,duration,gpus\n0,100,1\n10,1e300,1\n1e300,10,1\n5,10,1e30\n7,20,2\n")
+    t = read_trace(p)
+    assert [(j.submit, j.duration, j.gpus) for j in t.jobs] == [(0.0, 100.0, 1), (7.0, 20.0, 2)]
+    assert t.skipped_by_reason == {"duration over 31 years": 1, "submit time beyond year 33,000": 1,
+                                   "GPUs over a million": 1}
+
+
 def test_fractional_gpu_requests_are_rounded_up_and_counted(tmp_path):
     t = read_trace(write(tmp_path, "submit,duration,gpus\n0,60,0.5\n1,60,1\n2,60,1.25\n3,60,2\n"))
     assert [j.gpus for j in t.jobs] == [1, 1, 2, 2] and t.rounded == 2 and t.skipped == 0

@@ -43,7 +43,8 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{first['msg']}"}, 422)
+        msg = str(first["msg"]).removeprefix("Value error, ")     # our validators' sentences, as written
+        return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{msg}"}, 422)
 
     storage_errors.install(app)   # a full disk is a 507, not a 500
     schema.install(app)           # the OpenAPI schema says what is really answered; 405s carry Allow
@@ -264,9 +265,13 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
                     f"job {job_id} is {job.state.value} by the scheduler, not held by a user; it resumes on "
                     "its own when its GPUs are free; nothing to resume")
             return {**record(job), "nothing_done": done}
+        # A hold on a job still running is a pause not yet under way (deferred until its runtime
+        # attaches): dropping it leaves the job running, which the sentence says.
+        then = ("its pause had not begun: it keeps running" if job.state == JobState.RUNNING
+                else "it runs when its GPUs are free")
         try:
             store.update(job_id, time.time(), hold=False, event=NewEvent(
-                K.RESUME_REQUESTED, f"resume requested by {who.user}; it runs when its GPUs are free", initiator="user"))
+                K.RESUME_REQUESTED, f"resume requested by {who.user}; {then}", initiator="user"))
         except lifecycle.RequestTooLate as e:             # it ended since it was read
             raise HTTPException(409, f"job {job_id} is {e.state.value}; only a paused job can be resumed") from None
         controller.wake()

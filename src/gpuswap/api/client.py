@@ -256,7 +256,19 @@ class Client:
             raise OSError(str(e)) from None
 
     def get(self, path: str, **kw: Any) -> Any:
-        return self.request("GET", path, **kw).json()
+        return body_of(self.request("GET", path, **kw))
 
     def post(self, path: str, body: Optional[dict[str, Any]] = None) -> Any:
-        return self.request("POST", path, json=body or {}).json()
+        return body_of(self.request("POST", path, json=body or {}))
+
+    def delete(self, path: str) -> Any:
+        return body_of(self.request("DELETE", path))
+
+
+def body_of(r: Any) -> Any:
+    """A successful answer's JSON. Anything else (a redirect, a proxy's page in front of a remote
+    daemon) is a failure said in one line, not a traceback."""
+    try:
+        return r.json()
+    except ValueError:
+        raise ClientError(f"the gpuswap daemon answered {r.status_code} with no JSON body", EX_FAILURE) from None

@@ -15,6 +15,7 @@ MAX_NAME_CHARS = 200
 MAX_CWD_CHARS = 4096                  # PATH_MAX
 MAX_PAGE_JOBS = 1000                  # jobs in one GET /v1/jobs page
 PAGE_ARGV_BYTES = 4 * 1024 * KiB      # argv bytes in one page (at least one job)
+TOKEN_ID_HEX_DIGITS = 12              # a token's public id (secrets.token_hex(6)), as `token ls` shows it
 
 
 def size_text(n: int) -> str:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from gpuswap.api.sizes import TOKEN_ID_HEX_DIGITS
 from gpuswap.node.store import Store
 
 PREFIX = "gst"
@@ -44,7 +45,7 @@ class TokenBook:
             uid = pwd.getpwnam(user).pw_uid
         except KeyError:
             raise ValueError(f"no user {user!r} on this machine") from None
-        token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+        token_id, secret = secrets.token_hex(TOKEN_ID_HEX_DIGITS // 2), secrets.token_urlsafe(32)
         self.store.add_token(token_id, user, uid, _digest(secret), time.time(), created_by, note)
         return f"{PREFIX}_{token_id}_{secret}", public(self.store.tokens(token_id)[0])
 

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +27,7 @@ from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
 from gpuswap.node.store import Store
+from gpuswap.printable import printable
 
 STATIC = FsPath(__file__).parent / "static"
 TAIL_MAX = 1 << 16
@@ -74,6 +75,15 @@ class TokenRequest(BaseModel):
     note: str = Field(default="", max_length=200)
     for_dashboard: bool = Field(default=False, description="create it only if the daemon has a TCP listener "
                                 "(409 otherwise), so a dashboard URL can be made from it")
+
+    @field_validator("note")
+    @classmethod
+    def _note_printable(cls, note: str) -> str:
+        # `token ls` shows notes in a table, an admin's of every user's: as a job's name, no
+        # control characters (a newline broke the row; an escape sequence would reach the terminal).
+        if printable(note) != note:
+            raise ValueError("note contains control characters (escape sequences, newlines, tabs, ...)")
+        return note
 
 
 def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,

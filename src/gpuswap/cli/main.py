@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from gpuswap.api.client import Client, ClientError
+from gpuswap.api.client import Client, ClientError, body_of
 from gpuswap.cli.argtypes import seconds
 from gpuswap.cli.helptext import ENVIRONMENT, EXIT_CODES, JOB_ENVIRONMENT, HelpFormatter, VersionAction
 from gpuswap.exitcodes import EX_FAILURE, EX_INTERRUPTED, EX_TIMEOUT, EX_UNAVAILABLE, EX_USAGE
@@ -264,11 +264,11 @@ def cmd_ls(a: argparse.Namespace) -> int:
     client, params = _client(), {"all": "true"} if a.all_users else {}
     if a.limit:
         r = client.request("GET", "/v1/jobs", params={**params, "limit": min(a.limit, 1000)})
-        jobs = r.json()
+        jobs = body_of(r)
         while len(jobs) < a.limit and "X-Next-Before" in r.headers:
             r = client.request("GET", "/v1/jobs", params={**params, "limit": min(a.limit - len(jobs), 1000),
                                                            "before": r.headers["X-Next-Before"]})
-            jobs = r.json() + jobs
+            jobs = body_of(r) + jobs
         total = int(r.headers.get("X-Total-Count", len(jobs)))
         if total > len(jobs) and not a.json:
             print(f"(the newest {len(jobs)} of {total} jobs; `gpuswap ls --limit 0` lists them all)",
@@ -277,7 +277,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
         jobs, after = [], 0
         while after is not None:
             r = client.request("GET", "/v1/jobs", params={**params, "after": after})
-            jobs += r.json()
+            jobs += body_of(r)
             after = r.headers.get("X-Next-After")
     _out(a, jobs, lambda r: _render().jobs_table(r))
     return 0
@@ -333,7 +333,13 @@ def cmd_wait(a: argparse.Namespace) -> int:
             _out(a, job, lambda j: None)
             if job["exit_code"] is not None:
                 return int(job["exit_code"])
-            return 0 if job["state"] == "COMPLETED" else EX_FAILURE
+            if job["state"] == "COMPLETED":
+                return 0
+            # No exit code of its own (it never started, or was cancelled before it did): say why,
+            # or a script sees a bare 1.
+            print(printable(f"gpuswap wait: job {a.id} {job['state']} with no exit code: {job.get('reason') or '-'}"),
+                  file=sys.stderr)
+            return EX_FAILURE
         if deadline is not None and time.monotonic() >= deadline:
             print(f"gpuswap wait: job {a.id} is still {job['state']} after {a.timeout:g} s", file=sys.stderr)
             return EX_TIMEOUT
@@ -423,6 +429,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         return EX_INTERRUPTED
     except BrokenPipeError:
+        # The reader went away (`gpuswap ls | head -1`): not a failure. What is still buffered
+        # goes nowhere, or the interpreter's flush at exit would fail on the closed pipe (exit 120).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 0
 
 

@@ -10,6 +10,9 @@ import argparse
 import time
 from typing import Any, Callable
 
+from gpuswap.api.sizes import TOKEN_ID_HEX_DIGITS
+from gpuswap.printable import printable
+
 
 def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> None:
     json_flag: dict[str, Any] = dict(action="store_true", help="print the record(s) as JSON")
@@ -24,9 +27,9 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
     ls.add_argument("--json", **json_flag)
     ls.set_defaults(func=lambda a: _list(a, client, out))
     rv = tsub.add_parser("revoke", help="revoke a token by its id")
-    rv.add_argument("id", help="the token's id (`gpuswap token ls` shows it)")
+    rv.add_argument("id", type=token_id, help="the token's id (`gpuswap token ls` shows it)")
     rv.add_argument("--json", **json_flag)
-    rv.set_defaults(func=lambda a: (out(a, client().request("DELETE", f"/v1/tokens/{a.id}").json(),
+    rv.set_defaults(func=lambda a: (out(a, client().delete(f"/v1/tokens/{a.id}"),
                                         lambda r: print(f"revoked token {r['revoked']}")), 0)[1])
 
     tsub.metavar = "{" + ",".join(tsub.choices) + "}"   # "required: {create,ls,revoke}", not "token_verb"
@@ -36,6 +39,15 @@ def register(sub: Any, client: Callable[[], Any], out: Callable[..., None]) -> N
     d.add_argument("--note", default="dashboard", help="what the token is for")
     d.add_argument("--json", **json_flag)
     d.set_defaults(func=lambda a: _create(a, client, out, dashboard=True))
+
+
+def token_id(text: str) -> str:
+    """A token's id as `token ls` shows it (hex digits): anything else is a usage error, never a
+    piece of the request's path ("a/b", "?x" and "" reached other routes)."""
+    if len(text) != TOKEN_ID_HEX_DIGITS or any(c not in "0123456789abcdef" for c in text):
+        raise argparse.ArgumentTypeError(f"'{printable(text)}' is not a token id "
+                                         f"({TOKEN_ID_HEX_DIGITS} hex digits, as `gpuswap token ls` shows)")
+    return text
 
 
 def _create(a: argparse.Namespace, client: Callable[[], Any], out: Callable[..., None], dashboard: bool) -> int:
@@ -60,7 +72,7 @@ def _create(a: argparse.Namespace, client: Callable[[], Any], out: Callable[...,
 
 
 def _list(a: argparse.Namespace, client: Callable[[], Any], out: Callable[..., None]) -> int:
-    from gpuswap.cli.render import console
+    from gpuswap.terminal import console, plain
     from rich.table import Table
 
     def human(rows: list[dict[str, Any]]) -> None:
@@ -71,8 +83,10 @@ def _list(a: argparse.Namespace, client: Callable[[], Any], out: Callable[..., N
         for col in ("ID", "USER", "CREATED", "BY", "NOTE"):
             tab.add_column(col)
         for r in rows:
-            tab.add_row(r["id"], r["user"], time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])),
-                        r["created_by"], r["note"])
+            # A note is the user's text: as a Text, never markup ("[/]" crashed the table), escaped.
+            tab.add_row(plain(r["id"]), plain(r["user"]),
+                        time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), plain(r["created_by"]),
+                        plain(r["note"]))
         console.print(tab)
 
     out(a, client().get("/v1/tokens"), human)

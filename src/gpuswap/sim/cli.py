@@ -14,6 +14,8 @@ from gpuswap.jobs import parse_size
 from gpuswap.policy import DEFAULT_POLICY, POLICIES
 from gpuswap.policy.model import PolicyConfig
 
+MAX_SIM_GPUS = 1_000_000   # the whole of Philly was 2,490 GPUs
+
 SIM_EXTRA = ("numpy", "matplotlib")
 ESTIMATE_MODES = ("predicted", "none")   # pyproject's `sim` extra: the daemon and the other verbs need neither
 
@@ -110,6 +112,8 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
     finite = math.isfinite
     if args.nodes < 1 or args.gpus_per_node < 1:
         return "--nodes and --gpus-per-node must be >= 1"
+    if args.nodes * args.gpus_per_node > MAX_SIM_GPUS:    # each simulated GPU is an object: memory
+        return f"--nodes x --gpus-per-node must be at most {MAX_SIM_GPUS:,} GPUs"
     if not (finite(args.urgent_fraction) and 0.0 <= args.urgent_fraction <= 1.0):
         return "--urgent-fraction must be between 0 and 1"
     if not (finite(args.tick) and args.tick > 0):

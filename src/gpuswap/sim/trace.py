@@ -33,6 +33,11 @@ MEM_MEDIAN_GIB = 12.0      # per-GPU footprint model: lognormal, median 12 GiB .
 MEM_SIGMA = 0.6            # ... spread (log-space std) ...
 MEM_RANGE_GIB = (1.0, 78.0)  # ... clipped to what fits a current datacenter GPU
 SHORT_JOB_S = 900.0        # jobs at most this long are candidates for the urgent class
+# Bounds past which a row is nonsense, not a job: sums of such times lose every second to float
+# precision (1e300 + 10 == 1e300: a JCT of 0), and the plots' exp() overflows.
+MAX_ABS_TIME_S = 1e12      # submit times (seconds; ISO dates stop at year 9999, ~2.5e11)
+MAX_DURATION = (1e9, "duration over 31 years")
+MAX_GPUS = (1e6, "GPUs over a million")
 
 
 class TraceError(ValueError):
@@ -114,16 +119,21 @@ def _time(text: str) -> float:
         return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
     if not math.isfinite(value):
         raise _BadRow("bad submit time", _show(text))
+    if abs(value) > MAX_ABS_TIME_S:     # at 1e300 s, adding a job's duration changes nothing
+        raise _BadRow("submit time beyond year 33,000", _show(text))
     return value
 
 
-def _number(text: str, reason: str) -> float:
+def _number(text: str, reason: str, most: Optional[tuple[float, str]] = None) -> float:
+    """A finite number > 0; with `most` (bound, reason), one above the bound is a bad row too."""
     try:
         value = float(text)
     except ValueError:
         raise _BadRow(reason, _show(text)) from None
     if not math.isfinite(value) or value <= 0:
         raise _BadRow(reason, _show(text))
+    if most is not None and value > most[0]:
+        raise _BadRow(most[1], _show(text))
     return value
 
 
@@ -167,8 +177,8 @@ def read_trace(path: str, limit: Optional[int] = None) -> Trace:
             try:
                 get = lambda k: row[idx[k]] if k in idx and idx[k] < len(row) else ""  # noqa: E731
                 submit = _time(get("submit"))
-                duration = _number(get("duration"), "duration not a positive number")
-                gpus_asked = _number(get("gpus"), "GPUs not a positive number")
+                duration = _number(get("duration"), "duration not a positive number", MAX_DURATION)
+                gpus_asked = _number(get("gpus"), "GPUs not a positive number", MAX_GPUS)
                 gpus = math.ceil(gpus_asked)
                 prio = _priority(get("priority")) if get("priority").strip() else None
                 try:
