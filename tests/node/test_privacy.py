@@ -324,3 +324,20 @@ def test_the_job_runs_in_its_directory_as_its_user(daemon, home, alice):
         assert stat.S_IMODE(os.stat(work).st_mode) == 0o700
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_home_not_open_to_a_user_is_said_to_be_so_not_that_no_daemon_listens(tmp_path, alice):
+    """A daemon home of mode 700 (or a socket of 600) refused another user's connect with EACCES,
+    and the CLI said "no gpuswap daemon is listening" (69, and `wait` redialled for two minutes)."""
+    home = tmp_path / "closed"
+    home.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)   # something does listen there
+    listener.bind(str(home / "gpuswap.sock"))
+    listener.listen()
+    try:
+        code, out, err = alice.cli(home, "ls")
+    finally:
+        listener.close()
+    assert code == 1 and out == "", (code, out, err)
+    assert err == (f"gpuswap: permission denied on {home / 'gpuswap.sock'}: the daemon's home or socket is not "
+                   "open to you (ask its admin, or set GPUSWAP_HOME to your own)\n"), err

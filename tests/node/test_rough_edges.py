@@ -271,3 +271,11 @@ def test_wait_on_a_job_that_never_ran_says_why_it_has_no_exit_code(daemon):
     assert r.returncode == 1, r
     assert r.stderr == f"gpuswap wait: job {job} FAILED with no exit code: cannot start '/nonexistent/command': " \
                        "No such file or directory\n", r
+
+
+def test_a_home_that_is_a_file_is_named_as_the_problem_not_a_config_file(tmp_path):
+    """No config file was given: "…/gpuswap.toml: cannot read the config file" sent the user looking for one."""
+    home = tmp_path / "home"
+    home.write_text("")
+    r = gpuswap("server", "--simulate-gpus", "1x1GiB", env=dict(os.environ, GPUSWAP_HOME=str(home)))
+    assert r.returncode == 64 and r.stderr == f"gpuswap server: {home}: not a directory\n", r

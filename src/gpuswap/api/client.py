@@ -73,6 +73,10 @@ class _Unavailable(Exception):
     """No daemon took the connection."""
 
 
+class _Denied(Exception):
+    """The kernel refused the connection: the socket, or a directory above it, is not open to us."""
+
+
 class _Timeout(Exception):
     """The daemon took the connection but did not answer in time."""
 
@@ -100,6 +104,9 @@ class _UnixSocket:
         except socket.timeout:
             sock.close()
             raise _Timeout() from None
+        except PermissionError:
+            sock.close()
+            raise _Denied() from None
         except OSError:     # absent, refused, or its listen backlog full (EAGAIN)
             sock.close()
             raise _Unavailable() from None
@@ -207,6 +214,9 @@ class Client:
             hint = (f"check {envvars.URL}, and that the server runs with --listen" if self.remote
                     else "start one with `gpuswap server`, or set GPUSWAP_HOME")
             raise ClientError(f"no gpuswap daemon is listening on {self.sock} ({hint})", EX_UNAVAILABLE) from None
+        except _Denied:      # not "no daemon": one may well listen there; and not worth a retry (1, not 69)
+            raise ClientError(f"permission denied on {self.sock}: the daemon's home or socket is not open to "
+                              "you (ask its admin, or set GPUSWAP_HOME to your own)", EX_FAILURE) from None
         except _Timeout:
             raise ClientError(f"the gpuswap daemon on {self.sock} did not answer in time", EX_UNAVAILABLE) from None
         except OSError as e:
