@@ -36,6 +36,8 @@ def test_register_sets_run():
     (["--trace", "{good}", "--tick", "0"], "--tick must be a number of seconds > 0"),
     (["--trace", "{good}", "--tick", "nan"], "--tick must be"),
     (["--trace", "{good}", "--limit", "0"], "--limit must be >= 1"),
+    (["--trace", "{good}", "--seed", "-1"], "--seed must be a whole number >= 0, got -1"),
+    (["--trace", "{binary}"], "is not UTF-8 text (invalid start byte at byte 0)"),
     (["--trace", "{good}", "--nodes", "99999999999"], "--nodes x --gpus-per-node must be at most 1,000,000 GPUs"),
     (["--trace", "{good}", "--urgent-fraction", "nan"], "--urgent-fraction must be between 0 and 1"),
     (["--trace", "{good}", "--multi-rank", "all"], "unknown --multi-rank 'all'; use cooperative or none"),
@@ -50,8 +52,9 @@ def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     (tmp_path / "good.csv").write_text("submit,duration,gpus\n0,10,1\n")
     (tmp_path / "labels.csv").write_text("submit,duration,gpus,class\n0,10,1,low\n1,10,1,batch\n2,10,1,batch\n")
-    argv = [a.format(bad=tmp_path / "bad.csv", good=tmp_path / "good.csv", labels=tmp_path / "labels.csv")
-            for a in argv]
+    (tmp_path / "binary.csv").write_bytes(b"\xff\xfe\x00bin")
+    argv = [a.format(bad=tmp_path / "bad.csv", good=tmp_path / "good.csv", labels=tmp_path / "labels.csv",
+                     binary=tmp_path / "binary.csv") for a in argv]
     assert cli.run(parse(argv)) == 64
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

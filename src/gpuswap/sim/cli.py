@@ -110,6 +110,8 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
     """The first option out of range, as a sentence; None when all are usable. (Checked here, not
     only in argparse types: `run` is also called with a Namespace built elsewhere.)"""
     finite = math.isfinite
+    if args.seed < 0:
+        return f"--seed must be a whole number >= 0, got {args.seed}"
     if args.nodes < 1 or args.gpus_per_node < 1:
         return "--nodes and --gpus-per-node must be >= 1"
     if args.nodes * args.gpus_per_node > MAX_SIM_GPUS:    # each simulated GPU is an object: memory
@@ -200,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         multi_rank = parse_multi_rank(getattr(args, "multi_rank", "cooperative"))
         trace = load(args.trace, seed=args.seed, urgent_fraction=args.urgent_fraction,
                      gpus_per_node=args.gpus_per_node, limit=args.limit)
+    except UnicodeDecodeError as e:         # the trace is the only file read here
+        return _usage(f"trace {args.trace!r} is not UTF-8 text ({e.reason} at byte {e.start})")
     except (TraceError, ValueError) as e:
         return _usage(str(e))
     problem = _make_out(args.out) if args.out else None
