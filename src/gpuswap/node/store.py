@@ -173,10 +173,10 @@ class Store:
         The event's state is the job's state after the change. A change of state, or an event of a
         kind that moves jobs, must be an edge of gpuswap.lifecycle's table, and the record it leaves
         must carry what its state does (lifecycle.CARRIES): otherwise IllegalTransition (or its
-        InvalidRecord) is raised and nothing is written; a user's request the job's state no longer
-        admits (it ended since the caller read it) raises RequestTooLate. A bare sentence is an event of no kind
-        (it can change no state); `initiator` ('policy' or 'user') says who asked, when `event`
-        does not.
+        InvalidRecord) is raised and nothing is written; a user's request the job's state no
+        longer admits (it ended since the caller read it) raises RequestTooLate. A bare sentence is
+        an event of no kind (it can change no state); `initiator` ('policy' or 'user') says who
+        asked, when `event` does not.
         """
         if not changes and event is None:
             return
@@ -185,7 +185,8 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 kind = ev.kind if ev is not None else None
-                if "state" in changes or (kind is not None and (kind not in lifecycle.NOTES or kind in lifecycle.REQUESTS)):
+                checked = kind is not None and (kind not in lifecycle.NOTES or kind in lifecycle.REQUESTS)
+                if "state" in changes or checked:
                     row = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
                     if row is not None:
                         new = changes.get("state")
