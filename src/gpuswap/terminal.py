@@ -17,7 +17,9 @@ from rich.text import Text
 from gpuswap.jobs import ENDED, format_size
 from gpuswap.printable import printable
 
-class _Console(Console):
+class PipeConsole(Console):
+    """rich's Console, for output a reader may stop reading (every console of ours)."""
+
     def on_broken_pipe(self) -> None:
         """The reader went away (`gpuswap ls | head -1`): as for a plain print (cli/main.py), not a
         failure. rich's own answer is exit 1 with no message, which fails a script's pipefail."""
@@ -25,9 +27,9 @@ class _Console(Console):
         raise BrokenPipeError
 
 
-console = _Console(highlight=False)
+console = PipeConsole(highlight=False)
 if not console.is_terminal:          # piped or captured: do not wrap records at 80 columns
-    console = _Console(highlight=False, width=200)
+    console = PipeConsole(highlight=False, width=200)
 
 
 def plain(value: Any, style: str = "") -> Text:

@@ -395,7 +395,7 @@ def test_version_7_keeps_a_single_daemons_bandwidths_as_its_own_and_adds_each_no
 def test_version_10_gives_kept_runs_the_uid_of_their_names_jobs_where_there_is_one(tmp_path):
     """The predictor learns by uid (an account made again under a deleted one's name learns nothing
     from the first one's runs). A run the sweep kept before gains the uid its name's recorded jobs
-    all have; with none recorded, or two uids under the name, it gets none and predicts for nobody."""
+    all have; with none recorded, or two uids under the name, it would predict for nobody: dropped."""
     path = tmp_path / "state.db"
     db = sqlite3.connect(path, isolation_level=None)
     assert schema.migrate(db, path, STEPS[:9]) == list(range(1, 10))
@@ -413,8 +413,9 @@ def test_version_10_gives_kept_runs_the_uid_of_their_names_jobs_where_there_is_o
                     (102, "erin", "train", 80.0, 7.0)])
     db.execute("PRAGMA user_version=9")
     assert schema.migrate(db, path, STEPS) == [10]
-    assert db.execute("SELECT job_id, uid FROM kept_runs ORDER BY job_id").fetchall() == [
-        (100, 1009), (101, None), (102, None)]
+    assert db.execute("SELECT job_id, uid FROM kept_runs ORDER BY job_id").fetchall() == [(100, 1009)]
+    indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert not indexes & {"kept_runs_family", "kept_runs_user", "jobs_user_end"}, indexes
     db.close()
     store = Store(path)
     try:

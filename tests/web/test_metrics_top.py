@@ -344,3 +344,30 @@ def test_a_pools_gpu_count_per_node_says_whether_its_gpus_are_simulated():
     fams = {f.name: f for f in GpuswapCollector(None, controller, Pool())._nodes(live, Pool().list())}
     got = {(s.labels["node"], s.labels.get("simulated")): s.value for s in fams["gpuswap_node_gpus"].samples}
     assert got == {("n1", "true"): 1, ("n2", "true"): 0}
+
+
+def test_the_fold_stops_at_the_instant_the_live_jobs_were_read(tmp_path):
+    """A scrape reads the live jobs and the last event id at one instant, then folds the events up
+    to that id: a job that ends after the live read is live in this scrape and finished in the next,
+    never in neither. (Folding all of them under the store's lock held every write for as long.)"""
+    from gpuswap.api.metrics import EventFold
+    from gpuswap.lifecycle import EventKind, NewEvent
+    from gpuswap.node.store import NewJob, Store
+
+    store = Store(tmp_path / "state.db")
+    try:
+        [job] = store.add_jobs([NewJob(name="j", user="u", uid=0, gid=0, argv=["x"], cwd="/", env={}, priority=1,
+                                       gpus=1, mem_bytes=0)], 1)
+        store.update(job, 2, state=JobState.RUNNING, assigned=[0], event=NewEvent(EventKind.STARTED, "started"))
+        with store.at_one_instant():
+            live = store.list(live_only=True)
+            upto = store.last_event_id()
+        store.update(job, 3, state=JobState.COMPLETED, assigned=[], end_time=3, exit_code=0,
+                     event=NewEvent(EventKind.COMPLETED, "exited with code 0"))
+        fold = EventFold()
+        fold.advance(store, upto)
+        assert [j.id for j in live] == [job] and fold.last_id == upto == 2 and fold.finished == {}
+        fold.advance(store)
+        assert fold.last_id == 3 and fold.finished == {"COMPLETED": 1}
+    finally:
+        store.close()

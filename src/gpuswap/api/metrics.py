@@ -92,11 +92,15 @@ class EventFold:
         self.finished: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def advance(self, store: Store) -> None:
+    def advance(self, store: Store, upto: Optional[int] = None) -> None:
+        """Fold in the events written since the last call, up to event id `upto` (all: None). Page
+        by page: the store's lock is taken per page, never held while the fold's is waited for."""
         with self._lock:
-            while True:
+            while upto is None or self.last_id < upto:
                 rows = store.events_after(self.last_id)
                 for row in rows:
+                    if upto is not None and row[0] > upto:
+                        return
                     self._apply(*row)
                 if len(rows) < 10000:
                     return
@@ -168,9 +172,13 @@ class GpuswapCollector(Collector):
         self.fold = EventFold()
 
     def collect(self) -> Iterator[object]:
-        with self.store.at_one_instant():  # a job ending between the reads would be in neither count
-            self.fold.advance(self.store)
+        # The live jobs and the finished ones (the fold of the events) as of one instant: a job
+        # ending between two reads would be in neither count. Only the two short reads hold the
+        # store's lock; the fold catches up to that instant's last event after.
+        with self.store.at_one_instant():
             live = self.store.list(live_only=True)
+            upto = self.store.last_event_id()
+        self.fold.advance(self.store, upto)
         devices = self.gpus.list()          # once: a pool node that stops answering mid-scrape disagrees with no series
         info = GaugeMetricFamily("gpuswap_build_info", "gpuswap version and GPU kind", labels=["version", "simulated"])
         info.add_metric([gpuswap.__version__, str(self.gpus.simulated).lower()], 1)

@@ -20,7 +20,7 @@ from gpuswap.api.sizes import TOKEN_ID_HEX_DIGITS
 from gpuswap.node.store import Store
 
 PREFIX = "gst"
-_TOKEN = re.compile(r"^gst_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+_TOKEN = re.compile(rf"^gst_([0-9a-f]{{{TOKEN_ID_HEX_DIGITS}}})_([A-Za-z0-9_-]{{43}})$")
 
 
 @dataclass(frozen=True)

@@ -366,16 +366,19 @@ def cmd_demo(a: argparse.Namespace) -> int:
     problem = steps_problem(a.steps)     # before the reference run, not after the whole demo
     if problem:
         raise UsageError(f"gpuswap demo: {problem}")
-    return run_demo(keep=a.keep, steps=a.steps)
+    try:
+        return run_demo(keep=a.keep, steps=a.steps)
+    except BrokenPipeError:     # its reader went away mid-story: the story was not told, and is no success
+        _reader_gone()
+        return EX_FAILURE
 
 
 def cmd_selftest(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from gpuswap.cli.render import console, plain
     from gpuswap.selftest import report, runner
+    from gpuswap.terminal import PipeConsole
 
-    err, t0 = Console(stderr=True, highlight=False), time.monotonic()
+    err, t0 = PipeConsole(stderr=True, highlight=False), time.monotonic()
     opts = runner.Options(gpus=a.gpu, size_gib=a.size, simulate=a.simulate, only=a.only, keep=a.keep,
                           progress=lambda line: err.print(plain(f"{time.monotonic() - t0:6.1f}s  {line}", "dim"),
                                                            soft_wrap=True))
@@ -383,12 +386,15 @@ def cmd_selftest(a: argparse.Namespace) -> int:
         found = runner.run(opts)
     except runner.UsageProblem as e:
         raise UsageError(f"gpuswap selftest: {e}") from None
-    if a.json:
-        if found.simulated:
-            report.banner(err)
-        print_json(found.to_json())
-    else:
-        report.render(found, console)
+    try:
+        if a.json:
+            if found.simulated:
+                report.banner(err)
+            print_json(found.to_json())
+        else:
+            report.render(found, console)
+    except BrokenPipeError:     # the report's reader went away: the checks' verdict still stands
+        _reader_gone()
     return 0 if found.ok else EX_FAILURE
 
 
@@ -428,12 +434,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return EX_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (`gpuswap ls | head -1`): not a failure. What is still buffered
-        # goes nowhere, or the interpreter's flush at exit would fail on the closed pipe (exit 120).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    except BrokenPipeError:     # the reader went away (`gpuswap ls | head -1`): not a failure
+        _reader_gone()
         return 0
+
+
+def _reader_gone() -> None:
+    """What is still buffered for stdout goes nowhere: the interpreter's flush at exit would fail
+    on the closed pipe (exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -24,6 +24,7 @@ from rich.text import Text
 from gpuswap.api.client import ClientError
 from gpuswap.cli.argtypes import period
 from gpuswap.cli.render import duration, plain, reason_text
+from gpuswap.terminal import PipeConsole
 from gpuswap.exitcodes import EX_UNAVAILABLE
 from gpuswap.jobs import format_size
 
@@ -137,9 +138,9 @@ def run(a: argparse.Namespace, client: Callable[[], Any]) -> int:
     from rich.live import Live
 
     c = client()
-    console = Console()
+    console = PipeConsole()
     if a.once or not console.is_terminal:
-        Console(width=console.width if console.is_terminal else 160).print(frame(c.get("/v1/overview"), live=False))
+        PipeConsole(width=console.width if console.is_terminal else 160).print(frame(c.get("/v1/overview"), live=False))
         return 0
     interval = max(0.2, a.interval)
     last = frame(c.get("/v1/overview"))   # no daemon before anything was shown: exit 69

@@ -306,12 +306,17 @@ def _uid_index(db: sqlite3.Connection) -> None:
 # one's runs, and `show` told it how many there were and how long they took: what listings refuse
 # it since version 9. The sweep's kept runs gain their uid. An old kept run takes the uid of the
 # jobs still recorded under its name when they all have one uid; otherwise (its name's jobs all
-# swept, or several uids) it stays NULL and predicts for nobody.
+# swept, or several uids) it is dropped: it would predict for nobody. (An account deleted with all
+# its jobs swept, then made again under its name before this step, still takes its kept runs: no
+# record says it is another.) The indexes by name go; those by uid serve the predictor now.
 def _kept_runs_uid(db: sqlite3.Connection) -> None:
     if "uid" not in columns(db, "kept_runs"):
         db.execute("ALTER TABLE kept_runs ADD COLUMN uid INTEGER")
     db.execute("UPDATE kept_runs SET uid = (SELECT MIN(j.uid) FROM jobs j WHERE j.user = kept_runs.user) "
                "WHERE uid IS NULL AND (SELECT COUNT(DISTINCT j.uid) FROM jobs j WHERE j.user = kept_runs.user) = 1")
+    db.execute("DELETE FROM kept_runs WHERE uid IS NULL")
+    for old in ("kept_runs_family", "kept_runs_user", "jobs_user_end"):
+        db.execute(f"DROP INDEX IF EXISTS {old}")
     db.execute("CREATE INDEX IF NOT EXISTS kept_runs_uid_family ON kept_runs(uid, name, end_time)")
     db.execute("CREATE INDEX IF NOT EXISTS kept_runs_uid_end ON kept_runs(uid, end_time)")
     db.execute("CREATE INDEX IF NOT EXISTS jobs_uid_end ON jobs(uid, end_time)")
@@ -333,7 +338,8 @@ STEPS: tuple[Step, ...] = (
     Step(8, "kept_runs: completed jobs' run times, kept for the runtime predictor past the retention sweep",
          _kept_runs),
     Step(9, "an index on jobs(uid, id): listings filter by uid", _uid_index),
-    Step(10, "kept_runs gain uid: the runtime predictor learns from a uid's runs (old ones: their name's one uid)",
+    Step(10, "kept_runs gain uid: the runtime predictor learns from a uid's runs (old ones: their name's one uid, "
+             "else dropped)",
          _kept_runs_uid),
 )
 LATEST = STEPS[-1].version

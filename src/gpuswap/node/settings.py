@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import errno
 import json
 import math
 import os
@@ -391,10 +392,12 @@ def read_file(path: Optional[Path], must_exist: bool) -> dict[str, Any]:
             raise SettingsError(f"{path}: no such config file") from None
         return {}
     except OSError as e:
-        if not must_exist and not path.parent.is_dir():    # the home's config, read by default: the home is the problem
+        # A default config nobody named, under a home that is a file or cannot be entered: the
+        # home is the problem, not the config file.
+        if not must_exist and e.errno == errno.ENOTDIR:
             raise SettingsError(f"{path.parent}: not a directory") from None
-        if not must_exist and not os.access(path.parent, os.R_OK | os.X_OK):
-            raise SettingsError(f"{path.parent}: cannot enter the directory: {e.strerror or e}") from None
+        if not must_exist and e.errno == errno.EACCES and not os.access(path.parent, os.X_OK):
+            raise SettingsError(f"{path.parent}: cannot enter the directory: {e.strerror}") from None
         raise SettingsError(f"{path}: cannot read the config file: {e.strerror or e}") from None
     except ValueError as e:      # tomllib.TOMLDecodeError, or bytes that are not UTF-8
         raise SettingsError(f"{path}: not valid TOML: {e}") from None

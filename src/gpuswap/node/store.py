@@ -439,6 +439,12 @@ class Store:
         with self._lock:
             return self._db.execute("DELETE FROM tokens WHERE id=?", (token_id,)).rowcount > 0
 
+    def last_event_id(self) -> int:
+        """The newest event's id (0: none): with `at_one_instant`, where the events stood when
+        other reads were made."""
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+
     def events_after(self, after_id: int, limit: int = 10000) -> list[EventRow]:
         """Events past `after_id`, oldest first: the table only grows."""
         with self._lock:

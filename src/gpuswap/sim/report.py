@@ -35,8 +35,9 @@ def fmt(key: str, v: Optional[float]) -> str:
 
 
 def print_table(summaries: dict[str, dict[str, Any]], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from gpuswap.terminal import PipeConsole
 
     table = Table(title=title)
     table.add_column("policy")
@@ -44,9 +45,9 @@ def print_table(summaries: dict[str, dict[str, Any]], title: str) -> None:
         table.add_column(head, justify="right")
     for name, s in summaries.items():
         table.add_row(name, *(fmt(k, s.get(k)) for k, _ in COLUMNS))
-    console = Console()
+    console = PipeConsole()
     if console.width < 170:
-        console = Console(width=170)   # a results table is more useful unwrapped than cut
+        console = PipeConsole(width=170)   # a results table is more useful unwrapped than cut
     console.print(table)
 
 
