@@ -148,3 +148,40 @@ def test_dashboard_and_log_tail_headers(web):
         assert tail.headers["x-content-type-options"] == "nosniff" and "<script>alert(1)</script>" in tail.text
         assert c.get("/v1/overview").headers["x-content-type-options"] == "nosniff"
     web.daemon.cli("cancel", str(job))
+
+
+def test_a_token_dies_with_its_account_and_is_not_inherited_by_the_next_owner_of_its_uid(web):
+    """A token acted on after its account was deleted (as a uid nobody owned), then as the account
+    given that uid next: `jobs run as the user who submitted them` broke once an admin reused a uid."""
+    from gpuswap_testing import ensure_user
+
+    leaver, heir = f"gs-leaver-{os.getpid()}", f"gs-heir-{os.getpid()}"
+    uid, _ = ensure_user(leaver)
+    token = web.token(leaver)
+    try:
+        with web.http(token) as c:
+            assert c.get("/v1/jobs").status_code == 200
+            subprocess.run(["userdel", leaver], check=True, capture_output=True)
+            assert c.get("/v1/jobs").status_code == 401
+            subprocess.run(["useradd", "--no-create-home", "-u", str(uid), "--shell", "/usr/sbin/nologin", heir],
+                           check=True, capture_output=True)
+            assert c.get("/v1/jobs").status_code == 401
+            r = c.post("/v1/jobs", json={"argv": ["true"], "cwd": "/tmp", "env": {}})
+            assert r.status_code == 401, r.text
+    finally:
+        for name in (leaver, heir):
+            subprocess.run(["userdel", name], capture_output=True)
+
+
+def test_no_page_on_the_dashboards_origin_loads_outside_scripts_or_names_the_requests_host(web):
+    """/docs and /redoc loaded Swagger and ReDoc from a CDN on the origin where the dashboard keeps
+    its token; /ui redirected to the request's own Host header (and a forwarded scheme)."""
+    with web.http(None) as anon:
+        for path in ("/docs", "/redoc"):
+            assert anon.get(path).status_code == 404, path
+        assert anon.get("/openapi.json").status_code == 200
+        r = anon.get("/ui", headers={"Host": "evil.example", "X-Forwarded-Proto": "https"})
+        assert r.status_code == 307 and r.headers["location"] == "/ui/", r.headers
+    with web.http(web.token()) as c:
+        r = c.delete("/v1/tokens/a%0D%0Ab%1B%5B31m")
+        assert r.status_code == 404 and r.json()["detail"] == "no token a\\r\\nb\\x1b[31m", r.text

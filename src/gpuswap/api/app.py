@@ -37,7 +37,9 @@ JobId = Annotated[int, Path(ge=1, le=2**62, description="job id")]
 
 def create_app(store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,
                authorizer: Authorizer) -> FastAPI:
-    app = FastAPI(title="gpuswap", version=gpuswap.__version__)
+    # No /docs or /redoc: they load scripts from a CDN on the dashboard's origin, where the
+    # dashboard keeps its token (sessionStorage). The schema itself is at /openapi.json.
+    app = FastAPI(title="gpuswap", version=gpuswap.__version__, docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

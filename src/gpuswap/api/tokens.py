@@ -58,7 +58,15 @@ class TokenBook:
         stored = rows[0]["hash"] if rows else _digest("")
         if not hmac.compare_digest(stored, _digest(m.group(2))) or not rows:
             return None
-        return TokenOwner(uid=int(rows[0]["uid"]), user=str(rows[0]["user"]))
+        uid, user = int(rows[0]["uid"]), str(rows[0]["user"])
+        # The account it was made for must still be the one with its uid: once that account is
+        # deleted, the token acted as nobody's uid, and then as whoever was given the uid next.
+        try:
+            if pwd.getpwuid(uid).pw_name != user:
+                return None
+        except KeyError:
+            return None
+        return TokenOwner(uid=uid, user=user)
 
     def list(self, uid: Optional[int] = None) -> list[dict[str, Any]]:
         """Every token, or those that act as `uid` (by uid: a new account under an old name is

@@ -137,7 +137,7 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
     def revoke_token(token_id: Annotated[str, Path(max_length=64)], who: Caller = Depends(caller)) -> dict[str, Any]:
         mine = [t for t in book.list(None if who.admin else who.uid) if t["id"] == token_id]
         if not mine or not book.revoke(token_id):
-            raise HTTPException(404, f"no token {token_id}")
+            raise HTTPException(404, f"no token {printable(token_id)}")   # the client's bytes, shown, not sent
         return {"revoked": token_id}
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
@@ -146,6 +146,12 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
+        return RedirectResponse("/ui/")
+
+    @app.get("/ui", include_in_schema=False)
+    def ui_slash() -> RedirectResponse:
+        # Relative, as above: the mount's own redirect named the request's Host (and a forwarded
+        # scheme) in its Location, which a forged Host could point anywhere.
         return RedirectResponse("/ui/")
 
     app.mount("/ui", StaticFiles(directory=STATIC, html=True), name="ui")

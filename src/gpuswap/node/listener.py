@@ -61,8 +61,10 @@ class TcpListener:
         self.sock = sock
         # `guard` (a conn_guard.ConnectionGuard): connections within the fd budget, idle ones closed.
         self.server = uvicorn.Server(uvicorn.Config(app, http=guarded(H11Protocol, guard), lifespan="off",
-                                                    log_level="warning", access_log=False,
+                                                    log_level="warning", access_log=False, proxy_headers=False,
                                                     timeout_graceful_shutdown=2, **server_limits(guard)))
+        # proxy_headers=False: uvicorn would take X-Forwarded-Proto/-For from a peer on 127.0.0.1 as
+        # the request's scheme and client; nothing here sits behind a proxy it could trust.
         self.thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
