@@ -63,3 +63,13 @@ def test_bad_requests_are_4xx_and_daemon_lives(daemon, method, path, body):
         assert 400 <= r.status_code < 500, (r.status_code, r.text)
         assert isinstance(r.json()["detail"], str) and r.json()["detail"]
         assert c.get("/v1/health").json()["ok"]
+
+
+def test_a_body_that_is_not_json_is_a_400_that_says_so(daemon):
+    """As the schema and docs/dashboard.md say (400 for a body that is not JSON text); it was a 422
+    "invalid request: 1: JSON decode error"."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.home / "gpuswap.sock")),
+                      base_url="http://x") as c:
+        r = c.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"].startswith("invalid request: the body is not JSON: "), r.text

@@ -44,6 +44,10 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":   # not JSON text: 400, as a body that is not UTF-8 is
+            why = (first.get("ctx") or {}).get("error", "")
+            return JSONResponse({"detail": f"invalid request: the body is not JSON{': ' + str(why) if why else ''}"},
+                                400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = str(first["msg"]).removeprefix("Value error, ")     # our validators' sentences, as written
         return JSONResponse({"detail": f"invalid request: {where + ': ' if where else ''}{msg}"}, 422)
