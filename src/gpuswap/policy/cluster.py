@@ -15,14 +15,20 @@ from gpuswap.policy.model import JobView, Phase, Snapshot
 _TOPOLOGY: list = [None, None]   # memo of the last GPU tuple's layout (the daemon's rarely changes)
 
 
-def _topology(gpus: tuple) -> tuple[dict[int, str], list[str], frozenset[int], dict[int, int], dict[int, int]]:
+def _topology(gpus: tuple) -> tuple[dict[int, str], list[str], frozenset[int], dict[int, int], dict[int, int],
+                                   dict[str, int]]:
     """GPU id -> node, the sorted node names, the healthy GPU ids, GPU id -> memory, GPU id -> the
-    residue of jobs outside the snapshot (usually empty)."""
+    residue of jobs outside the snapshot (usually empty), node -> its healthy GPUs."""
     if _TOPOLOGY[0] is not gpus:
+        capacity: dict[str, int] = {}
+        for g in gpus:
+            if g.healthy:
+                capacity[g.node] = capacity.get(g.node, 0) + 1
         _TOPOLOGY[0], _TOPOLOGY[1] = gpus, ({g.id: g.node for g in gpus}, sorted({g.node for g in gpus}),
                                             frozenset(g.id for g in gpus if g.healthy),
                                             {g.id: g.mem_total for g in gpus},
-                                            {g.id: g.residue_bytes for g in gpus if g.residue_bytes > 0})
+                                            {g.id: g.residue_bytes for g in gpus if g.residue_bytes > 0},
+                                            capacity)
     return _TOPOLOGY[1]
 
 
@@ -33,7 +39,8 @@ class ClusterState:
     and the memory RAM-parked jobs keep on GPUs nobody computes on (`residue`, see `fits`)."""
 
     def __init__(self, snap: Snapshot):
-        self.node_of, self.nodes, healthy, mem_total, outside = _topology(snap.gpus)
+        # (Shared with every round on the same GPUs: read only. `capacity`: node -> healthy GPUs.)
+        self.node_of, self.nodes, healthy, mem_total, outside, self.capacity = _topology(snap.gpus)
         self.mem_total = mem_total
         # GPU -> bytes a cooperative RAM park left there (and, for a RAM pause in flight, will
         # leave), and the PAUSED jobs that keep it. Empty in most rounds (and the simulator's).
@@ -43,6 +50,7 @@ class ClusterState:
         running, pending, paused, pausing = Phase.RUNNING, Phase.PENDING, Phase.PAUSED, Phase.PAUSING
         self.running: list[JobView] = [j for j in jobs if j.phase is running]
         self.waiting: list[JobView] = [j for j in jobs if j.phase is pending or j.phase is paused]
+        self.running_levels: Optional[list[tuple]] = None   # the policy's, on first need (victims.py)
         # Stopped (SIGSTOP fallback) and pinned waiting jobs: served even after the rest of the
         # queue is done for the round. Usually none.
         self.special: list[JobView] = [j for j in self.waiting if j.holds_gpu_while_paused or j.home_gpus]

@@ -9,7 +9,6 @@ behind it. Kept apart from the round: it is its own rule with its own per-round 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
@@ -17,18 +16,13 @@ from gpuswap.policy.explain import Explainer
 from gpuswap.policy.model import JobView, Snapshot
 from gpuswap.policy.preemption import Preemption
 from gpuswap.policy.specs import Ctx, Spec
-from gpuswap.policy.victims import protection
+from gpuswap.policy.victims import protection, running_levels
 
-
-@dataclass(slots=True)
-class _Holder:
-    """A running job as reservations see it: its level, the GPUs it holds, and whether it could
-    be paused for someone at all (preemptible and parkable; then `protection` says when)."""
-
-    job: JobView
-    level: tuple
-    gpus: int
-    parkable: bool
+# A running job as reservations see it: (job, its level, the GPUs it holds, whether it could be
+# paused for someone at all -- preemptible and parkable; then `protection` says when). A tuple,
+# not a dataclass: a round makes one for every running job (~500 on 64x8 GPUs), and on the Philly
+# trace making them as slotted dataclasses was ~10% of `gpuswap`'s time.
+_Holder = tuple[JobView, tuple, int, bool]
 
 
 class Reservations:
@@ -50,7 +44,6 @@ class Reservations:
         self._parkable: dict[str, list[tuple[float, tuple, int, str]]] = {}
         self._held_on: dict[str, list[tuple[tuple, int, str]]] = {}
         self._past: Optional[set[str]] = None
-        self._capacity: Optional[dict[str, int]] = None  # node -> healthy GPUs (on the first reservation)
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
         self._lapse_memo: dict[tuple, tuple[list, int, int]] = {}   # (node, level) -> (lapses, as of touched, of gone)
@@ -129,24 +122,24 @@ class Reservations:
                 candidates: list[str]) -> Optional[str]:
         """The node of `candidates` to hold `w`'s reservation on: the one that can free its GPUs
         soonest, else one where the jobs holding them rank behind it; None when there is none."""
-        if self._capacity is None:
-            self._capacity = {}
-            for g in self.snap.gpus:
-                if g.healthy:
-                    self._capacity[g.node] = self._capacity.get(g.node, 0) + 1
-        nodes = [n for n in candidates if n not in self.reserved and self._capacity.get(n, 0) >= need]
+        capacity = self.cl.capacity
+        nodes = [n for n in candidates if n not in self.reserved and capacity.get(n, 0) >= need]
         if not nodes:
             return None
+        # No node can free its GPUs by preemption alone (`_soonest` never)? Then reserve only
+        # where the jobs holding the rest rank behind it in the order (narrower, later or lower
+        # jobs, e.g. one that may not be paused): they end in time, and what frees must not go to
+        # jobs behind it. Where its GPUs are held by jobs that rank ahead of it, holding GPUs for
+        # it would only idle them while it waits its turn: such reservations were 99.6% of those
+        # made on a Philly window and cost 24% of the full trace's average JCT (simulator.md).
+        # Asked first: `_behind_node` counts every holder `_readiness` counts (those `w` may
+        # pause) and more, so where it finds no node `_soonest` finds none either -- and so it
+        # was for ~95% of the asks on the full Philly trace, which then skip `_soonest`.
+        behind = self._behind_node(w, key, lw, nodes, need, pre)
+        if behind is None:
+            return None
         ready, node = self._soonest(w, lw, need, pre, nodes)
-        if ready == float("inf"):
-            # No node can free its GPUs by preemption alone. Reserve only where the jobs holding
-            # the rest rank behind it in the order (narrower, later or lower jobs, e.g. one that
-            # may not be paused): they end in time, and what frees must not go to jobs behind it.
-            # Where its GPUs are held by jobs that rank ahead of it, holding GPUs for it would
-            # only idle them while it waits its turn: such reservations were 99.6% of those made
-            # on a Philly window and cost 24% of the full trace's average JCT (simulator.md).
-            return self._behind_node(w, key, lw, nodes, need, pre)
-        return node
+        return behind if ready == float("inf") else node
 
     def _behind_node(self, w: JobView, mine: tuple, lw: Optional[tuple], nodes: list[str], need: int,
                      pre: Optional[Preemption]) -> Optional[str]:
@@ -159,7 +152,7 @@ class Reservations:
         least = mine[:prefix] if prefix and self.remember else None   # the lowest level a holder counted can have
         for node in nodes:
             got = len(free[node]) + len(pending[node])
-            if least is not None and got + sum(h.gpus for h in self._on(node) if not h.level < least) < need:
+            if least is not None and got + sum(n for _, lv, n, _ in self._on(node) if not lv < least) < need:
                 continue                    # even all holders of its level or above would not do
             pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
             for key, n, vid in self._held(node):
@@ -217,7 +210,7 @@ class Reservations:
         if lw is not None:                  # `_lapses` and `_enough` written out: hot
             gone = pre.gone if pre is not None else ()
             if self.remember:               # never, whenever their protection ends: the same answer
-                total += sum(h.gpus for h in self._on(node) if h.parkable and lw < h.level and h.job.id not in gone)
+                total += sum(n for v, lv, n, parkable in self._on(node) if parkable and lw < lv and v.id not in gone)
                 if total < need:
                     return (ready, -total, node)
                 total = have
@@ -259,14 +252,14 @@ class Reservations:
         """`node`'s running jobs with their levels: all nodes' in one batch, on the first ask of
         the round (a batch per node cost more than it saved: a round asks about most nodes)."""
         if self._running_on is None:
-            spec, ctx, running = self.spec, self.ctx, self.cl.running
-            levels = spec.running_levels(running, ctx) if spec.running_levels else [spec.level(v, ctx) for v in running]
+            running = self.cl.running
+            levels = running_levels(self.spec, self.ctx, self.cl)
             by: dict[str, list[_Holder]] = {}
             node_of, job_node = self.cl.node_of, self.cl.job_node
             for v, lv in zip(running, levels):
                 n = node_of.get(v.assigned[0]) if v.assigned else None
                 by.setdefault(job_node(v) if n is None else n, []).append(
-                    _Holder(v, lv, len(v.assigned), bool(v.preemptible and v.tiers)))
+                    (v, lv, len(v.assigned), bool(v.preemptible and v.tiers)))
             self._running_on = by
         return self._running_on.get(node, [])
 
@@ -274,7 +267,7 @@ class Reservations:
         """`node`'s running jobs as (order key, GPUs held, id), keys made in one batch."""
         held = self._held_on.get(node)
         if held is None:
-            spec, ctx, jobs = self.spec, self.ctx, [h.job for h in self._on(node)]
+            spec, ctx, jobs = self.spec, self.ctx, [h[0] for h in self._on(node)]
             keys = spec.orders(jobs, ctx) if spec.orders else [spec.order(v, ctx) for v in jobs]
             held = self._held_on[node] = [(key, len(v.assigned), v.id) for v, key in zip(jobs, keys)]
         return held
@@ -295,12 +288,11 @@ class Reservations:
             snap = self.snap
             unprotected = self._unprotected(pre)
             held = self._parkable[node] = []
-            for h in self._on(node):
-                if not h.parkable:
+            for v, lv, n, parkable in self._on(node):
+                if not parkable:
                     continue
-                v = h.job
                 why = None if v.id in unprotected else protection(v, snap)   # (the same answer: a shortcut)
                 t = snap.now if why is None else snap.now + why[2]["seconds_left"]
-                held.append((t, h.level, h.gpus, v.id))
+                held.append((t, lv, n, v.id))
             held.sort(key=lambda e: (e[0], e[3]))
         return held

@@ -150,10 +150,25 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[li
     now, c = snap.now, snap.config
     floor_after = now - c.min_runtime_s
     settled = now - max(c.min_runtime_s, c.protect_cap_s if c.protect_multiple > 0 else 0.0)
-    ok = [v for v in cl.running if v.preemptible and v.tiers
+    running = cl.running
+    at = [i for i, v in enumerate(running) if v.preemptible and v.tiers
           and ((t := (v.phase_since if v.last_start is None else v.last_start)) <= settled
                or (t <= floor_after and t <= now - protected_s(v, snap)))]
-    return ok, (spec.running_levels(ok, ctx) if spec.running_levels else [spec.level(v, ctx) for v in ok])
+    if not at:
+        return [], []
+    levels = running_levels(spec, ctx, cl)
+    return [running[i] for i in at], [levels[i] for i in at]
+
+
+def running_levels(spec: Spec, ctx: Ctx, cl: ClusterState) -> list[tuple]:
+    """The preemption levels of `cl.running`, in its order, worked out once a round and kept on
+    `cl` (one spec and context a round): the eligible victims and the reservations both read them,
+    and on the Philly trace working them out twice was ~5% of `gpuswap`'s time."""
+    if cl.running_levels is None:
+        running = cl.running
+        cl.running_levels = (spec.running_levels(running, ctx) if spec.running_levels
+                             else [spec.level(v, ctx) for v in running])
+    return cl.running_levels
 
 
 def pairs_by_node(jobs: list[JobView], levels: list[tuple], cl: ClusterState) -> dict[str, list[tuple[JobView, tuple]]]:
