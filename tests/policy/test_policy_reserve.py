@@ -261,8 +261,9 @@ def test_a_holder_that_ranks_behind_and_may_not_be_paused_still_gets_a_reservati
 def test_what_a_round_remembers_of_each_node_changes_no_decision(monkeypatch):
     """A round remembers, per node, that it found no reservation for a job of n GPUs (and asks no
     later job of n or more there) and which holders a level may pause (reservation.py: every input
-    only shrinks along the round), and it rules a node out by its holders' levels alone where even
-    all those of a level that could count would not free enough. Random full clusters of several nodes with many wide jobs past
+    only shrinks along the round), it rules a node out by its holders' levels alone where even
+    all those of a level that could count would not free enough, and it asks whether the holders
+    behind a job could cover its need before how soon a node frees (`Reservations._choose`). Random full clusters of several nodes with many wide jobs past
     the bound, pending or parked in RAM on their node, at mixed classes, services and protections:
     the decisions and every reason are those of a round that asks every node every time."""
     from gpuswap.policy.reservation import Reservations

@@ -9,6 +9,7 @@ behind it. Kept apart from the round: it is its own rule with its own per-round 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
@@ -43,6 +44,8 @@ class Reservations:
         self._running_on: Optional[dict[str, list[_Holder]]] = None
         self._parkable: dict[str, list[tuple[float, tuple, int, str]]] = {}
         self._held_on: dict[str, list[tuple[tuple, int, str]]] = {}
+        self._above: dict[tuple[str, tuple], int] = {}   # `_at_or_above`'s answers
+        self._behind_on: dict[str, tuple[list[tuple], list[int]]] = {}   # `_behind`'s tables
         self._past: Optional[set[str]] = None
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
@@ -135,11 +138,14 @@ class Reservations:
         # Asked first: `_behind_node` counts every holder `_readiness` counts (those `w` may
         # pause) and more, so where it finds no node `_soonest` finds none either -- and so it
         # was for ~95% of the asks on the full Philly trace, which then skip `_soonest`.
-        behind = self._behind_node(w, key, lw, nodes, need, pre)
-        if behind is None:
-            return None
+        if self.remember:
+            behind = self._behind_node(w, key, lw, nodes, need, pre)
+            if behind is None:
+                return None
+            ready, node = self._soonest(w, lw, need, pre, nodes)
+            return behind if ready == float("inf") else node
         ready, node = self._soonest(w, lw, need, pre, nodes)
-        return behind if ready == float("inf") else node
+        return self._behind_node(w, key, lw, nodes, need, pre) if ready == float("inf") else node
 
     def _behind_node(self, w: JobView, mine: tuple, lw: Optional[tuple], nodes: list[str], need: int,
                      pre: Optional[Preemption]) -> Optional[str]:
@@ -152,12 +158,16 @@ class Reservations:
         least = mine[:prefix] if prefix and self.remember else None   # the lowest level a holder counted can have
         for node in nodes:
             got = len(free[node]) + len(pending[node])
-            if least is not None and got + sum(n for _, lv, n, _ in self._on(node) if not lv < least) < need:
+            if least is not None and got + self._at_or_above(node, least) < need:
                 continue                    # even all holders of its level or above would not do
-            pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
-            for key, n, vid in self._held(node):
-                if vid in pausable or key > mine:
-                    got += n
+            if least is not None and (lw is None or lw == least):
+                # Those it may pause are of a level above its own, so behind it too: one count.
+                got += self._behind(node, mine)
+            else:
+                pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
+                for key, n, vid in self._held(node):
+                    if vid in pausable or key > mine:
+                        got += n
             if got >= need and (best is None or (-got, node) < best):
                 best = (-got, node)
         return None if best is None else best[1]
@@ -262,6 +272,27 @@ class Reservations:
                     (v, lv, len(v.assigned), bool(v.preemptible and v.tiers)))
             self._running_on = by
         return self._running_on.get(node, [])
+
+    def _at_or_above(self, node: str, level: tuple) -> int:
+        """The GPUs `node`'s running jobs of `level` or above hold, kept for the round (the
+        holders are the round's start's: a round asks it of each node for job after job)."""
+        got = self._above.get((node, level))
+        if got is None:
+            got = self._above[(node, level)] = sum(n for _, lv, n, _ in self._on(node) if not lv < level)
+        return got
+
+    def _behind(self, node: str, mine: tuple) -> int:
+        """The GPUs `node`'s running jobs hold whose order keys are above `mine`: a suffix sum
+        over the keys sorted, made once a round per node (keys end with the job id: no ties)."""
+        table = self._behind_on.get(node)
+        if table is None:
+            held = sorted((key, n) for key, n, _ in self._held(node))
+            suffix = [0] * (len(held) + 1)
+            for i in range(len(held) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + held[i][1]
+            table = self._behind_on[node] = ([key for key, _ in held], suffix)
+        keys, suffix = table
+        return suffix[bisect_right(keys, mine)]
 
     def _held(self, node: str) -> list[tuple[tuple, int, str]]:
         """`node`'s running jobs as (order key, GPUs held, id), keys made in one batch."""
