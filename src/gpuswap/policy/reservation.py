@@ -9,7 +9,6 @@ behind it. Kept apart from the round: it is its own rule with its own per-round 
 """
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import Optional
 
 from gpuswap.policy.cluster import ClusterState
@@ -44,8 +43,6 @@ class Reservations:
         self._running_on: Optional[dict[str, list[_Holder]]] = None
         self._parkable: dict[str, list[tuple[float, tuple, int, str]]] = {}
         self._held_on: dict[str, list[tuple[tuple, int, str]]] = {}
-        self._above: dict[tuple[str, tuple], int] = {}   # `_at_or_above`'s answers
-        self._behind_on: dict[str, tuple[list[tuple], list[int]]] = {}   # `_behind`'s tables
         self._past: Optional[set[str]] = None
         self._ready: dict[tuple, tuple[tuple, int]] = {}  # (node, level, GPUs) -> (readiness, as of touched[:n])
         self._last_touch: dict[str, int] = {}
@@ -158,11 +155,12 @@ class Reservations:
         least = mine[:prefix] if prefix and self.remember else None   # the lowest level a holder counted can have
         for node in nodes:
             got = len(free[node]) + len(pending[node])
-            if least is not None and got + self._at_or_above(node, least) < need:
+            if least is not None and got + sum(n for _, lv, n, _ in self._on(node) if not lv < least) < need:
                 continue                    # even all holders of its level or above would not do
             if least is not None and (lw is None or lw == least):
-                # Those it may pause are of a level above its own, so behind it too: one count.
-                got += self._behind(node, mine)
+                # Those it may pause are of a level above its own, so behind it too: one count,
+                # without working out which it may pause (on `turnover`, after every pause).
+                got += sum(n for key, n, _ in self._held(node) if key > mine)
             else:
                 pausable = {vid for _, _, vid in self._lapses(w, lw, node, pre)}
                 for key, n, vid in self._held(node):
@@ -272,27 +270,6 @@ class Reservations:
                     (v, lv, len(v.assigned), bool(v.preemptible and v.tiers)))
             self._running_on = by
         return self._running_on.get(node, [])
-
-    def _at_or_above(self, node: str, level: tuple) -> int:
-        """The GPUs `node`'s running jobs of `level` or above hold, kept for the round (the
-        holders are the round's start's: a round asks it of each node for job after job)."""
-        got = self._above.get((node, level))
-        if got is None:
-            got = self._above[(node, level)] = sum(n for _, lv, n, _ in self._on(node) if not lv < level)
-        return got
-
-    def _behind(self, node: str, mine: tuple) -> int:
-        """The GPUs `node`'s running jobs hold whose order keys are above `mine`: a suffix sum
-        over the keys sorted, made once a round per node (keys end with the job id: no ties)."""
-        table = self._behind_on.get(node)
-        if table is None:
-            held = sorted((key, n) for key, n, _ in self._held(node))
-            suffix = [0] * (len(held) + 1)
-            for i in range(len(held) - 1, -1, -1):
-                suffix[i] = suffix[i + 1] + held[i][1]
-            table = self._behind_on[node] = ([key for key, _ in held], suffix)
-        keys, suffix = table
-        return suffix[bisect_right(keys, mine)]
 
     def _held(self, node: str) -> list[tuple[tuple, int, str]]:
         """`node`'s running jobs as (order key, GPUs held, id), keys made in one batch."""
