@@ -163,7 +163,7 @@ def eligible(snap: Snapshot, spec: Spec, ctx: Ctx, cl: ClusterState) -> tuple[li
 def running_levels(spec: Spec, ctx: Ctx, cl: ClusterState) -> list[tuple]:
     """The preemption levels of `cl.running`, in its order, worked out once a round and kept on
     `cl` (one spec and context a round): the eligible victims and the reservations both read them,
-    and on the Philly trace working them out twice was ~5% of `gpuswap`'s time."""
+    and on the Philly trace working them out twice was ~4% of `gpuswap`'s time."""
     if cl.running_levels is None:
         running = cl.running
         cl.running_levels = (spec.running_levels(running, ctx) if spec.running_levels
