@@ -29,8 +29,9 @@ class Reservations:
     """One round's reservations (one per node) and what they need to choose a node."""
 
     # Whether a round takes its shortcuts: keeps what it learnt of each node (refusals, holders it
-    # may pause) between the jobs that ask, and rules a node out by its holders' levels before
-    # working out their protection and order keys. Only a test turns it off, to check that the
+    # may pause) between the jobs that ask, rules a node out by its holders' levels before working
+    # out their protection and order keys, and asks where the holders behind a job cover its need
+    # before how soon a node frees (`_choose`). Only a test turns it off, to check that the
     # shortcuts change no decision.
     remember = True
 
