@@ -83,7 +83,7 @@ def test_a_class_under_its_floor_is_lifted_and_takes_gpus_back():
     svcs = [running(f"s{i}", URGENT, i, user="svc", attained=5e5 if i == 7 else 1e4) for i in range(8)]
     low = job("b", prio=LOW, user="ann", since=999, submit=999)
     s = snap(1000, gpus(8), svcs + [low], class_usage=OVER)
-    lim = limits(s, lambda jobs: [(j.submit_time, j.id) for j in jobs])
+    lim = limits(s, lambda jobs: [(-j.priority, j.submit_time, j.id) for j in jobs])   # own class first, id last
     assert lim.lifted == {"b"} and lim.base == {f"s{i}": int(HIGH) for i in range(8)}
     out = decide(s, "gpuswap")
     assert kinds(out) == [("Pause", "s7")]

@@ -205,7 +205,13 @@ def test_batch_orders_and_levels_equal_the_per_job_rules():
                      floor_gpus=2, head=frozenset(ids[3::4])),
               Limits(lifted=frozenset(ids[::3])), Limits(protected=frozenset(ids[::3]), head=frozenset(ids[1::3])),
               Limits(head=frozenset(ids[::2]))]           # a head start alone holds no limit: strict classes
-    for c in [ctx] + [Ctx(ctx.now, cfg, ctx.costs, ctx.usage, lim) for lim in limits]:
+    # and with the keys the class limits worked out (`Ctx.known`: each job's at its own class) taken
+    # over where the job is ordered at its own class, worked out again where a limit moves it
+    gs = SPECS["gpuswap"]
+    known = dict(zip(ids, gs.orders(waiting + running, ctx)))
+    contexts = [Ctx(ctx.now, cfg, ctx.costs, ctx.usage, lim) for lim in limits]
+    contexts += [Ctx(ctx.now, cfg, ctx.costs, ctx.usage, lim, known) for lim in limits]
+    for c in [ctx] + contexts:
         for spec in SPECS.values():
             if spec.orders:
                 assert spec.orders(waiting, c) == [spec.order(j, c) for j in waiting], spec.name

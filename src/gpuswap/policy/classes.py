@@ -64,6 +64,12 @@ class Limits:
     protected: frozenset[str] = frozenset()  # GPU holders within their class's floor
     floor_gpus: int = 0                      # each lower class's floor, in GPUs
     head: frozenset[str] = frozenset()       # jobs of a budgeted class whose user is under budget
+    # The jobs `level_class` may place elsewhere than their own class (lifted, demoted, head
+    # start): every other job is compared at its own. Few; the batch rules look only these up.
+    moved: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moved", self.lifted | self.base.keys() | self.head)
 
     @property
     def active(self) -> bool:
@@ -110,11 +116,13 @@ def floor_gpus(snap: Snapshot) -> int:
 
 
 def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> Limits:
-    """The budget demotions and floors of `snap`. `keys`: the policy's order within a class of
-    many jobs (lower is more deserving), which picks the holders a floor protects and the waiting
-    jobs it lifts. Runs on every decision: a few passes over the jobs (comprehensions: one loop
-    with appends cost more), and the order of a class's waiting jobs only when the class is under
-    its floor, taken from a heap as far as needed."""
+    """The budget demotions and floors of `snap`. `keys`: the policy's order keys of many jobs (lower
+    is more deserving), which pick the holders a floor protects and the waiting jobs it lifts; each
+    key starts with its job's own class and ends with its id (unique). Within a class holding jobs
+    a budget demoted into it, the order leaves that first element out. Runs on every decision: a
+    few passes over the jobs (comprehensions: one loop with appends cost more), and the order of a
+    class's waiting jobs only when the class is under its floor, taken from a heap as far as
+    needed."""
     cfg = snap.config
     base: dict[str, int] = {}
     head: set[str] = set()
@@ -150,6 +158,7 @@ def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> 
     if len(present) < 2:
         return Limits(base, head=frozenset(head)) if base else NONE
     top = max(present)                      # the highest class present needs no floor
+    within = _less_class if base else _as_is
     protected: list[str] = []
     lifted: list[str] = []
     for c in present:
@@ -161,17 +170,18 @@ def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> 
             held = held_by.get(c, 0)
         else:
             mine = holders[c]
-            for _, j in sorted(zip(keys(mine), mine), key=_first):
+            for _, j in sorted(zip(within(keys(mine)), mine), key=_first):
                 if held >= floor:
                     break
                 held += j.gpus
                 protected.append(j.id)
         if held < floor and c in waiting:
             mine = [j for j, k in zip(waiting_jobs, waiting_class) if k == c]
-            heap = list(zip(keys(mine), range(len(mine))))
+            heap = within(keys(mine))       # keys alone, not (key, index) pairs: a third the time
             heapify(heap)
+            by_id = {j.id: j for j in mine}
             while heap and held < floor:
-                j = mine[heappop(heap)[1]]
+                j = by_id[heappop(heap)[-1]]
                 held += j.gpus
                 lifted.append(j.id)
     if not (base or protected or lifted):
@@ -181,6 +191,14 @@ def limits(snap: Snapshot, keys: Callable[[Sequence[JobView]], list[tuple]]) -> 
 
 def _first(pair: tuple) -> tuple:
     return pair[0]
+
+
+def _as_is(keys: list[tuple]) -> list[tuple]:
+    return keys
+
+
+def _less_class(keys: list[tuple]) -> list[tuple]:
+    return [k[1:] for k in keys]
 
 
 def floor_refusal(w: JobView, v: JobView, lim: Limits) -> Optional[str]:

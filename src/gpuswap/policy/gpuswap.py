@@ -60,27 +60,29 @@ def _gs_orders(jobs: Sequence[JobView], c: Ctx) -> list[Key]:
     """
     usage, now, factor, th, waiting = c.usage, c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
     lim = c.lim
-    limited = lim.active                    # gs_class written out: strict classes unless limits hold
-    base, head = lim.base, lim.head
-    lifted = lim.lifted if limited else frozenset()
-    split = limited and bool(base or head)  # some job's class is not its own priority but for a lift
+    moved = lim.moved if lim.active else frozenset()   # gs_class written out: strict classes unless
+    base, head, lifted = lim.base, lim.head, lim.lifted  # limits hold, and then only these move
     shares: dict[str, float] = {}           # user -> share_key at weight 1 (most jobs), looked up once
+    known = c.known                         # keys the class limits worked out, at each job's own class
     out: list[Key] = []
     append = out.append
     for j in jobs:
+        jid = j.id
+        if moved and jid in moved:
+            p = FLOOR if jid in lifted else base.get(jid, j.priority) + (HEAD if jid in head else 0)
+        else:
+            p = j.priority
+        if known and p == j.priority:
+            k = known.get(jid)
+            if k is not None:
+                append(k)
+                continue
         s = j.attained_gpu_s
         if j.gpus > 1:
             s = s / j.gpus
         band = bisect_right(th, s)
         if band and j.phase in waiting and j.run_s > 0 and now - j.phase_since >= factor * j.run_s:
             band = 0                        # starving: promoted
-        jid = j.id
-        if lifted and jid in lifted:
-            p = FLOOR
-        elif split:
-            p = base.get(jid, j.priority) + (HEAD if jid in head else 0)
-        else:
-            p = j.priority
         w, user = j.weight, j.user
         if w == 1.0:
             share = shares.get(user)
@@ -120,9 +122,9 @@ def _gs_none_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> bool:
     top, b_min = -bound[0], bound[1]
     now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
     below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
-    lim = c.lim
+    moved = c.lim.moved if c.lim.active else frozenset()    # only these are not at their own class
     for j in jobs:
-        p = j.priority if not lim.active else gs_class(j, c)
+        p = gs_class(j, c) if moved and j.id in moved else j.priority
         if p > top:
             return False
         if p < top or b_min <= 0:
@@ -144,15 +146,14 @@ def _gs_below(jobs: Sequence[JobView], c: Ctx, bound: Key) -> list[JobView]:
     now, factor, th, waiting = c.now, c.config.las_starvation_factor, c.config.gpuswap_bands_s, WAITING
     below = th[b_min - 1] if b_min > 0 else 0.0          # service per GPU under this: a lower band
     lim = c.lim
-    if lim.active:
-        lifted, base, head = lim.lifted, lim.base, lim.head
-        classes = [FLOOR if j.id in lifted else base.get(j.id, j.priority) + (HEAD if j.id in head else 0)
-                   for j in jobs]
-    else:
-        classes = [j.priority for j in jobs]
+    moved = lim.moved if lim.active else frozenset()    # gs_class written out, as in `_gs_orders`
+    lifted, base, head = lim.lifted, lim.base, lim.head
     out: list[JobView] = []
     append = out.append
-    for j, p in zip(jobs, classes):
+    for j in jobs:
+        p = j.priority
+        if moved and j.id in moved:
+            p = FLOOR if j.id in lifted else base.get(j.id, p) + (HEAD if j.id in head else 0)
         if p > top:
             append(j)
         elif p < top or b_min <= 0:

@@ -19,6 +19,17 @@ def make_ctx(snap: Snapshot, spec: Spec) -> Ctx:
     ctx = Ctx(snap.now, snap.config, snap.costs, snap.usage)
     if not spec.class_limits:
         return ctx
-    # Class limits are gpuswap's: its order (less the class) ranks the jobs they choose among.
-    lim = classes.limits(snap, lambda jobs: [k[1:] for k in _gs_orders(jobs, ctx)])
-    return ctx if lim is classes.NONE else Ctx(snap.now, snap.config, snap.costs, snap.usage, lim)
+    # Class limits are gpuswap's: its order ranks the jobs they choose among. The keys it works out
+    # (at each job's own class: no limits yet) are kept for the round's queue (`Ctx.known`): with a
+    # class under its floor they are a third of a deep queue's.
+    known: dict[str, tuple] = {}
+
+    def keys(jobs):
+        out = _gs_orders(jobs, ctx)
+        known.update(zip([j.id for j in jobs], out))
+        return out
+
+    lim = classes.limits(snap, keys)
+    if lim is classes.NONE:
+        return ctx
+    return Ctx(snap.now, snap.config, snap.costs, snap.usage, lim, known)

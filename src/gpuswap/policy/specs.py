@@ -12,7 +12,7 @@ policies by name: `policies.py`.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 from gpuswap.jobs import Priority
@@ -32,6 +32,10 @@ class Ctx:
     costs: SwitchCosts
     usage: Mapping[str, float]
     lim: Limits = classes.NONE       # classes with limits (policy/classes.py): gpuswap only
+    # Order keys this decision already worked out, by job id, each at the job's own class: the
+    # class limits order a class's jobs to pick whom a floor lifts or protects (`make_ctx`), and
+    # the round's queue takes those keys rather than working them out again (`Spec.orders`).
+    known: Mapping[str, Key] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
