@@ -69,7 +69,7 @@ class Limits:
     moved: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "moved", self.lifted | self.base.keys() | self.head)
+        object.__setattr__(self, "moved", frozenset(self.base).union(self.lifted, self.head))
 
     @property
     def active(self) -> bool:
