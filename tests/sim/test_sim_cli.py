@@ -47,6 +47,11 @@ def test_register_sets_run():
     (["--trace", "{good}", "--class-floor", "1"], "--class-floor must be a share between 0 and 1"),
     (["--trace", "{good}", "--class-floor", "nan"], "--class-floor must be"),
     (["--trace", "{good}", "--class-half-life", "0"], "--class-half-life must be a number of seconds > 0"),
+    # an option another one overrides is refused, not dropped (issue 15, item 7)
+    (["--trace", "{good}", "--compare", "--policy", "las"], "give --compare or --policy, not both"),
+    (["--trace", "{good}", "--policy", "gpuswap", "--compare"], "give --compare or --policy, not both"),
+    (["--trace", "{good}", "--strict-classes", "--class-budget", "10"], "give it or those options, not both"),
+    (["--trace", "{good}", "--class-floor", "0.1", "--strict-classes"], "give it or those options, not both"),
 ])
 def test_usage_errors_exit_64_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")

@@ -22,9 +22,9 @@ ESTIMATE_MODES = ("predicted", "none")   # pyproject's `sim` extra: the daemon a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="CSV trace (see docs/simulator.md for columns)")
-    p.add_argument("--policy", default=DEFAULT_POLICY,
+    p.add_argument("--policy", default=DEFAULT_POLICY, action=_Given,
                    help=f"policy name or comma list; one of: {', '.join(POLICIES)}")
-    p.add_argument("--compare", action="store_true", help="run every policy on the same trace and seed")
+    p.add_argument("--compare", action="store_true", help="run every policy on the same trace and seed (instead of --policy)")
     p.add_argument("--nodes", type=int, default=64, metavar="N", help="nodes in the simulated cluster")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs on each node")
     p.add_argument("--ram-per-node", default="256GiB", help="host RAM per node for parked GPU state")
@@ -57,18 +57,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GPUs soonest (gpuswap policy; docs/policies.md); never: no reservations")
     defaults = PolicyConfig()
     p.add_argument("--class-budget", type=_gpu_hours, default=defaults.class_budget_gpu_h, metavar="GPU_HOURS",
+                   action=_Given,
                    help="gpuswap: a user's decayed urgent (or high) GPU-hours beyond which their jobs of that "
                         "class are treated one class down; 'inf' for no budget (docs/policies.md)")
     p.add_argument("--class-half-life", type=float, default=defaults.class_half_life_s, metavar="SECONDS",
                    help="gpuswap: half-life of the usage the class budget counts")
-    p.add_argument("--class-floor", type=float, default=defaults.class_floor_share, metavar="SHARE",
+    p.add_argument("--class-floor", type=float, default=defaults.class_floor_share, metavar="SHARE", action=_Given,
                    help="gpuswap: share of the GPUs each class below the highest is guaranteed; 0 for none")
     p.add_argument("--promotion-takes-starved", action="store_true",
                    help="gpuswap: the old promotion rule: a job promoted for starving may pause a job that "
                         "has itself waited as long (by default it does not; docs/policies.md)")
     p.add_argument("--strict-classes", action="store_true",
-                   help="gpuswap: no class budget and no floor (same as --class-budget inf --class-floor 0)")
+                   help="gpuswap: no class budget and no floor (same as --class-budget inf --class-floor 0; "
+                        "not with either)")
     p.add_argument("--out", default=None, help="directory for summary.json, CSVs and plots")
+
+
+class _Given(argparse.Action):
+    """Store the value, and note in `given` that the option was on the command line: for options
+    another one overrides (`--compare` every policy, `--strict-classes` the class limits), where a
+    value given and then silently dropped must be refused instead (`_bad_option`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
 def _seconds_or_never(text: str) -> Optional[float]:
@@ -110,6 +122,12 @@ def _bad_option(args: argparse.Namespace) -> Optional[str]:
     """The first option out of range, as a sentence; None when all are usable. (Checked here, not
     only in argparse types: `run` is also called with a Namespace built elsewhere.)"""
     finite = math.isfinite
+    given = getattr(args, "given", frozenset())
+    if args.compare and "policy" in given:
+        return "--compare runs every policy; give --compare or --policy, not both"
+    if getattr(args, "strict_classes", False) and given & {"class_budget", "class_floor"}:
+        return ("--strict-classes is --class-budget inf --class-floor 0; give it or those options, "
+                "not both")
     if args.seed < 0:
         return f"--seed must be a whole number >= 0, got {args.seed}"
     if args.nodes < 1 or args.gpus_per_node < 1:
