@@ -32,9 +32,10 @@ BAD = [
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Daemon]:
     """One daemon for every request (a start and a stop took ~0.9 s of each case's 0.9 s), with a
-    GPU per case, so each case's own job starts as it did on a daemon of its own."""
+    GPU per case (and one for the job-id test), so each case's own job starts as it did on a
+    daemon of its own."""
     home = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
-    d = Daemon(home, ["--simulate-gpus", f"{len(BAD)}x80GiB", "--min-runtime", "1",
+    d = Daemon(home, ["--simulate-gpus", f"{len(BAD) + 1}x80GiB", "--min-runtime", "1",
                       "--max-switch-fraction", "1", "--no-calibrate"])
     try:
         yield d.start()
@@ -63,6 +64,25 @@ def test_bad_requests_are_4xx_and_daemon_lives(daemon, method, path, body):
         assert 400 <= r.status_code < 500, (r.status_code, r.text)
         assert isinstance(r.json()["detail"], str) and r.json()["detail"]
         assert c.get("/v1/health").json()["ok"]
+
+
+def test_a_job_id_not_in_digits_is_refused_not_read_as_another_job(daemon):
+    """A path's job id is ASCII digits, as `gpuswap show` takes it: `int` alone read '1.0', '+1' and
+    ' 1' as job 1 (`views.JobId`), here checked on every route that takes one."""
+    job = daemon.submit(["sleep", "600"])
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.home / "gpuswap.sock")),
+                      base_url="http://x") as c:
+        assert c.get(f"/v1/jobs/{job}").status_code == 200
+        for bad in (f"{job}.0", f"+{job}", f"%20{job}", f"{job}e0", f"{job}%C2%B2"):
+            for method, tail in (("GET", ""), ("GET", "/log"), ("GET", "/log/tail"), ("GET", "/wait?timeout=0"),
+                                 ("POST", "/cancel"), ("POST", "/resume")):
+                r = c.request(method, f"/v1/jobs/{bad}{tail}")
+                assert r.status_code == 422, (bad, tail, r.status_code, r.text)
+                assert "a job id is a whole number >= 1" in r.json()["detail"], r.text
+        r = c.post(f"/v1/jobs/{job}.0/pause", json={"to": "ram"})
+        assert r.status_code == 422 and "a job id is a whole number" in r.json()["detail"], r.text
+        assert c.get(f"/v1/jobs/{job}").json()["state"] in ("PENDING", "RUNNING")   # untouched
+        assert c.post(f"/v1/jobs/{job}/cancel").status_code == 200
 
 
 def test_a_body_that_is_not_json_is_a_400_that_says_so(daemon):

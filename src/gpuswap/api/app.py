@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -19,7 +19,7 @@ from gpuswap.api.limits import BodyLimit, page_headers
 from gpuswap.api.longpoll import Ticks
 from gpuswap.api.overview import gpu_used, holders_of, kept_on, ram_budget, ram_by_node
 from gpuswap.api.sizes import MAX_PAGE_JOBS, PAGE_ARGV_BYTES
-from gpuswap.api.views import NO_JOB, PauseRequest, SubmitRequest, errors, gpu_record, job_record
+from gpuswap.api.views import NO_JOB, JobId, PauseRequest, SubmitRequest, errors, gpu_record, job_record
 from gpuswap.jobs import JobState, Priority, format_size, parse_size
 from gpuswap import lifecycle
 from gpuswap.lifecycle import EventKind as K, NewEvent
@@ -32,7 +32,6 @@ from gpuswap.policy.estimate import RECENT, estimate
 
 MAX_WAIT_S = 30.0
 LOG_CHUNK = 1 << 20
-JobId = Annotated[int, Path(ge=1, le=2**62, description="job id")]
 
 
 def create_app(store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,

@@ -1,9 +1,10 @@
 """Request bodies and response records of the HTTP API (the CLI's `--json` prints these)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from fastapi import Path
+from pydantic import BaseModel, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from gpuswap.api.limits import check_command
@@ -103,6 +104,17 @@ def errors(**codes: str) -> dict[int | str, dict[str, Any]]:
 
 
 NO_JOB = "no such job, or another user's (its existence is not the caller's to know)"
+
+
+def _digits(text: Any) -> Any:
+    """A job id in a path is ASCII digits, as the CLI takes it: `int` alone would also read '1.0',
+    ' 1' and '+1' as job 1."""
+    if isinstance(text, str) and not (text.isascii() and text.isdigit()):
+        raise ValueError(f"a job id is a whole number >= 1, not {text[:40]!r}")
+    return text
+
+
+JobId = Annotated[int, BeforeValidator(_digits), Path(ge=1, le=2**62, description="job id")]
 
 
 def wait_fields(wait: Optional[Wait]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from gpuswap.api.joblog import read_log
 from gpuswap.api.metrics import GpuswapCollector
 from gpuswap.api.overview import build_overview
 from gpuswap.api.tokens import TokenBook
-from gpuswap.api.views import NO_JOB, errors
+from gpuswap.api.views import NO_JOB, JobId, errors
 from gpuswap.node.controller import Controller
 from gpuswap.node.gpus import GpuInventory
 from gpuswap.node.launcher import Launcher
@@ -102,7 +102,7 @@ def mount(app: FastAPI, store: Store, controller: Controller, gpus: GpuInventory
     @app.get("/v1/jobs/{job_id}/log/tail", response_class=Response, responses={
         200: {"content": {"text/plain": {}}, "description": "the last `size` bytes of the job's output, "
               "as text/plain (with nosniff: never rendered as HTML)"}, **errors(e404=NO_JOB)})
-    def log_tail(job_id: Annotated[int, Path(ge=1, le=2**62)], size: int = Query(8192, ge=1, le=TAIL_MAX),
+    def log_tail(job_id: JobId, size: int = Query(8192, ge=1, le=TAIL_MAX),
                  who: Caller = Depends(caller)) -> Response:
         job = store.get(job_id)
         if job is None or not who.may_act_on(job.uid):
