@@ -16,6 +16,8 @@ as its documentation and issue tracker show; docs/transparent.md gives each one'
   a 300 ms timeout, asked while a ~2 s kernel ran, locked in 0.11 s; when the real driver
   answers NOT_READY is not established, so the daemon's handling of it stays tested here.
 - lock keeps every byte on the device, its context included: a locked process is still listed.
+- checkpoint and restore take the time an H100 took for as many bytes (CHECKPOINT_BYTES_PER_S,
+  RESTORE_BYTES_PER_S below; measured, docs/selftest.md).
 - checkpoint: LOCKED -> CHECKPOINTED; the process's memory leaves the device, its CUDA context's
   included ("all underlying references will be released", cuCheckpointProcessCheckpoint;
   nvidia-smi shows 1 MiB used and no process: NVIDIA/cuda-checkpoint#31), and it vanishes from
@@ -77,6 +79,18 @@ from gpuswap.simcuda import DriverRecord, Registration, SimDevice, stopped
 
 POLL_S = 0.02      # how often a waiting lock looks again at the process's work
 LOCK_WAIT_S = 30.0  # the longest the driver waits for the simulated device's lock
+# How fast the driver moves a process's device memory, as measured on an H100 (driver 580.159.04,
+# 2026-11-26; docs/selftest.md, "On a real GPU"): a freeze (lock + checkpoint) of 4.6 GiB took
+# 1.98 s, a thaw (restore + unlock) 0.82 s. A checkpoint or restore here takes as long for the bytes
+# the process holds, so the daemon meets calls in flight as on a GPU node (its ticks, a cancel or
+# a restart while one runs); they took no time before, which no real driver does.
+CHECKPOINT_BYTES_PER_S = 4.6 * 2**30 / 1.98
+RESTORE_BYTES_PER_S = 4.6 * 2**30 / 0.82
+
+
+def _copy(seconds: float) -> None:
+    """The time a checkpoint or restore spends copying (no bytes are moved here)."""
+    time.sleep(seconds)
 
 
 def visible_gpus(pid: int, gpus: SimulatedGpus) -> Optional[set[int]]:
@@ -169,11 +183,18 @@ class SimulatedCheckpointDriver(CheckpointDriver):
             reg, rec = self._expect(call, pid, RUNNING)
 
     def checkpoint(self, pid: int) -> None:
+        """The process's memory is copied out (CHECKPOINT_BYTES_PER_S), then leaves the device: it
+        stays listed, LOCKED, while the copy runs; a process gone meanwhile fails the call."""
+        call = "cuCheckpointProcessCheckpoint"
         self._answer_when_continued(pid)
-        reg, rec = self._expect("cuCheckpointProcessCheckpoint", pid, LOCKED)
+        reg, rec = self._expect(call, pid, LOCKED)
+        _copy(sum(n for _, n in self.device.placed(reg, rec)) / CHECKPOINT_BYTES_PER_S)
+        reg, rec = self._expect(call, pid, LOCKED)
         self.device.set_driver_record(reg, replace(rec, state=CHECKPOINTED))
 
     def restore(self, pid: int, gpu_map: Optional[dict[str, str]] = None) -> None:
+        """Room for all of it is taken first (or the restore fails, below), then the memory is
+        copied back (RESTORE_BYTES_PER_S) before the call returns."""
         self._answer_when_continued(pid)
         call = "cuCheckpointProcessRestore"
         reg, rec = self._expect(call, pid, CHECKPOINTED)
@@ -190,6 +211,7 @@ class SimulatedCheckpointDriver(CheckpointDriver):
                 self.device.set_driver_record(reg, replace(rec, poisoned=True))
                 raise CheckpointError(call, "CUDA_ERROR_OUT_OF_MEMORY")
             self.device.set_driver_record(reg, back)
+        _copy(sum(need.values()) / RESTORE_BYTES_PER_S)
 
     def _mapped(self, call: str, pid: int, rec: DriverRecord, gpu_map: dict[str, str]) -> tuple[tuple[int, int], ...]:
         """Where each GPU is after a restore with `gpu_map` (the record's earlier moves, then the
