@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gpuswap.policy.capability import NCCL_TRANSPARENT_REFUSAL
@@ -52,6 +53,13 @@ def wait_file(daemon, job_id: int, path: Path) -> None:
 
 def gpu0(daemon) -> dict:
     return daemon.client.get("/v1/gpus")["gpus"][0]
+
+
+def pause_refused(daemon, job_id: int, why: str) -> None:
+    """`gpuswap pause` of a job whose freeze the daemon gives up on fails (exit 1) with the reason:
+    the request waits the freeze out. (It exited 0 on PAUSING, and the job went back to RUNNING.)"""
+    r = daemon.cli("pause", str(job_id))
+    assert r.returncode == 1 and "cannot freeze transparently" in r.stderr and why in r.stderr, r
 
 
 def test_child_cuda_process_of_a_shell_is_frozen_and_thawed(daemon, home):
@@ -98,8 +106,8 @@ def test_two_cuda_processes_are_never_frozen_and_the_reason_is_shown(daemon, hom
     wait_file(daemon, job, ready_b)
     before = sorted((p["pid"], p["used_bytes"]) for p in gpu0(daemon)["processes"])
     assert len(before) == 2
-    assert daemon.cli("pause", str(job)).returncode == 0
-    j = daemon.until(job, lambda j: j["transparent_refused"] is not None or j["state"] == "PAUSED")
+    pause_refused(daemon, job, NCCL_TRANSPARENT_REFUSAL)
+    j = daemon.job(job)
     assert j["transparent_refused"] == NCCL_TRANSPARENT_REFUSAL and j["state"] == "RUNNING", j
     assert any(e["reason"] == f"cannot freeze transparently ({NCCL_TRANSPARENT_REFUSAL}): left running; "
                "not parked transparently again" for e in j["events"])
@@ -114,14 +122,29 @@ def test_two_cuda_processes_are_never_frozen_and_the_reason_is_shown(daemon, hom
     assert not any(e["reason"].startswith("frozen") for e in done["events"])
 
 
+def test_a_pause_of_a_job_with_nothing_to_freeze_fails_with_the_reason(make_daemon, home):
+    """A job without the gpuswap runtime and without a CUDA process (here `sleep`), past the grace
+    its runtime had to attach (before it, the pause is deferred): its pause goes to the driver,
+    which has nothing to freeze, and the daemon gives up at once. `gpuswap pause` used to exit 0
+    (it answered on PAUSING) and the job went back to RUNNING; now it exits 1 with the reason, and
+    the job runs on, not held."""
+    daemon = make_daemon("--simulate-gpus", "1x80GiB", "--min-runtime", "1", "--attach-grace", "1")
+    job = daemon.submit(["sleep", "300"], priority="low")
+    daemon.until(job, lambda j: j["state"] == "RUNNING" and time.time() - j["state_since"] > 2)
+    pause_refused(daemon, job, "no CUDA process found in the job's process tree")
+    j = daemon.job(job)
+    assert j["state"] == "RUNNING" and not j["held"], j
+    assert daemon.cli("cancel", str(job)).returncode == 0
+
+
 def test_lock_timeout_is_reported_as_a_timeout_and_the_job_runs_on(daemon, home):
     gate = Gate(home / "go")
     cmd, ready = fake(home, GiB, gate)
     job = daemon.submit(["sh", "-c", f"FAKE_BUSY=1 {cmd}; echo end"], priority="low")
     wait_file(daemon, job, ready)
-    assert daemon.cli("pause", str(job)).returncode == 0
-    j = daemon.until(job, lambda j: j["state"] == "RUNNING" and "cannot freeze" in j["reason"])
-    assert "lock timed out after 10 s" in j["reason"], j["reason"]
+    pause_refused(daemon, job, "lock timed out after 10 s")
+    j = daemon.job(job)
+    assert j["state"] == "RUNNING" and "lock timed out after 10 s" in j["reason"], j["reason"]
     assert gpu0(daemon)["processes"][0]["used_bytes"] == GiB + CTX  # never locked: still on the GPU
     gate.open()
     assert daemon.state(job, "COMPLETED")["exit_code"] == 0
@@ -142,8 +165,8 @@ def test_a_process_its_user_stopped_is_not_frozen_and_the_daemon_goes_on(make_da
     [proc] = daemon.client.get("/v1/gpus")["gpus"][own]["processes"]
     os.kill(proc["pid"], signal.SIGSTOP)
     try:
-        assert daemon.cli("pause", str(job)).returncode == 0
-        j = daemon.until(job, lambda j: "cannot freeze" in j["reason"])
+        pause_refused(daemon, job, "stopped by a signal")
+        j = daemon.job(job)
         assert j["state"] == "RUNNING" and "stopped by a signal" in j["reason"], j["reason"]
         assert daemon.client.get("/v1/gpus")["gpus"][own]["processes"][0]["used_bytes"] == GiB + CTX  # never locked
         other = daemon.submit(other_gate.hold(), name="other", priority="low")
@@ -181,8 +204,7 @@ def test_jobs_their_users_stopped_leave_the_next_freeze_its_answers(make_daemon,
             os.kill(proc["pid"], signal.SIGSTOP)
             stopped.append(proc["pid"])
             jobs.append(job)
-            assert daemon.cli("pause", str(job)).returncode == 0
-            daemon.until(job, lambda j: "cannot freeze" in j["reason"])
+            pause_refused(daemon, job, "stopped by a signal")
         cmd, ready = fake(home, GiB, gate, tag="e")
         last = daemon.submit(["sh", "-c", f"{cmd}; echo end"], name="answers", priority="low")
         wait_file(daemon, last, ready)

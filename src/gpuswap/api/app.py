@@ -34,6 +34,11 @@ MAX_WAIT_S = 30.0
 LOG_CHUNK = 1 << 20
 
 
+def freezing(job: JobRecord) -> bool:
+    """A freeze through the CUDA driver under way (a pause without the job's runtime)."""
+    return job.state == JobState.PAUSING and job.mechanism == "transparent"
+
+
 def create_app(store: Store, controller: Controller, gpus: GpuInventory, launcher: Launcher,
                authorizer: Authorizer) -> FastAPI:
     # No /docs or /redoc: they load scripts from a CDN on the dashboard's origin, where the
@@ -253,6 +258,12 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
         job = await wait_for(job_id, lambda j: j.state != JobState.RUNNING or not j.hold
                              or j.reason == deferred_pause_text(j.hold_tier or "ram", controller.config.attach_grace_s),
                              2.0)
+        if freezing(job):
+            # A freeze through the driver is waited out: it is refused at once where the driver has
+            # nothing to freeze (no CUDA process in the job), and that refusal came after the
+            # answer, which said PAUSING (exit 0). A freeze still copying at MAX_WAIT_S is answered
+            # as it stands.
+            job = await wait_for(job_id, lambda j: not freezing(j) or not j.hold, MAX_WAIT_S)
         if job.state == JobState.RUNNING and not job.hold and not job.cancel_requested:
             raise HTTPException(409, f"job {job_id}: {job.reason}")
         return record(job)
