@@ -85,6 +85,30 @@ def test_a_job_id_not_in_digits_is_refused_not_read_as_another_job(daemon):
         assert c.post(f"/v1/jobs/{job}/cancel").status_code == 200
 
 
+def test_a_body_sent_as_another_type_than_json_is_a_415_that_says_so(daemon):
+    """curl's `-d` sends `application/x-www-form-urlencoded`, others text/plain or no type: FastAPI
+    parses only a JSON type as JSON, and the answer was a 422 "Input should be a valid dictionary"
+    about a body that was valid JSON. Sent as JSON, the same body is taken."""
+    body = b'{"argv": ["true"], "cwd": "/tmp"}'
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.home / "gpuswap.sock")),
+                      base_url="http://x") as c:
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+            r = c.post("/v1/jobs", content=body, headers={"content-type": kind})
+            assert r.status_code == 415, (kind, r.status_code, r.text)
+            assert r.json()["detail"] == ("invalid request: the body must be sent as JSON (Content-Type: "
+                                          f"application/json), not {kind!r}"), r.text
+        r = c.post("/v1/jobs", content=body)
+        assert r.status_code == 415 and r.json()["detail"].endswith("and it has no Content-Type"), r.text
+        for kind in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+            r = c.post("/v1/jobs", content=body, headers={"content-type": kind})
+            assert r.status_code == 201, (kind, r.status_code, r.text)
+            assert c.post(f"/v1/jobs/{r.json()['id']}/cancel").status_code in (200, 409)
+        r = c.post("/v1/jobs", content=b'{"argv": "true", "cwd": "/tmp"}', headers={"content-type": "text/plain"})
+        assert r.status_code == 415, r.text        # the type is told first, not the field
+        r = c.post("/v1/jobs", content=b'{"argv": "true", "cwd": "/tmp"}', headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "argv" in r.json()["detail"], r.text
+
+
 def test_a_body_that_is_not_json_is_a_400_that_says_so(daemon):
     """As the schema and docs/dashboard.md say (400 for a body that is not JSON text); it was a 422
     "invalid request: 1: JSON decode error"."""

@@ -34,6 +34,13 @@ MAX_WAIT_S = 30.0
 LOG_CHUNK = 1 << 20
 
 
+def json_media_type(content_type: str) -> bool:
+    """Whether a Content-Type says JSON (application/json, or an application/...+json type): the
+    bodies FastAPI parses as JSON (not those without a Content-Type: its strict content type)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def freezing(job: JobRecord) -> bool:
     """A freeze through the CUDA driver under way (a pause without the job's runtime)."""
     return job.state == JobState.PAUSING and job.mechanism == "transparent"
@@ -46,8 +53,17 @@ def create_app(store: Store, controller: Controller, gpus: GpuInventory, launche
     app = FastAPI(title="gpuswap", version=gpuswap.__version__, docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        kind = request.headers.get("content-type")
+        if (tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing"
+                and not json_media_type(kind or "")):
+            # Sent as another type (curl -d's form type, text/plain) or none: FastAPI parses only a
+            # JSON type as JSON, and "Input should be a valid dictionary" blamed a body that may
+            # well be valid JSON.
+            got = f"not {kind[:80]!r}" if kind else "and it has no Content-Type"
+            return JSONResponse({"detail": f"invalid request: the body must be sent as JSON "
+                                           f"(Content-Type: application/json), {got}"}, 415)
         if first.get("type") == "json_invalid":   # not JSON text: 400, as a body that is not UTF-8 is
             why = (first.get("ctx") or {}).get("error", "")
             return JSONResponse({"detail": f"invalid request: the body is not JSON{': ' + str(why) if why else ''}"},

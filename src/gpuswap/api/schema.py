@@ -2,8 +2,8 @@
 
 FastAPI documents a 422 body (`HTTPValidationError`, a list) that our handler never sends (it sends
 one sentence, `ErrorDetail`), and it cannot know the refusals raised from shared code: 401 from
-the bearer-token check, 400 for a body that is not JSON text, 413 for one over the size
-limit (api/limits.py), 507 for a full disk. These are
+the bearer-token check, 400 for a body that is not JSON text, 415 for one sent as another media
+type, 413 for one over the size limit (api/limits.py), 507 for a full disk. These are
 added here by rule; refusals particular to one operation are listed in EXTRA (the routes' own
 `responses=` say the rest). A client generated from the schema, or a conformance fuzzer
 (tests/web/test_schema_fuzz.py), then sees only documented statuses and bodies.
@@ -60,6 +60,7 @@ def install(app: FastAPI) -> None:
                                         "content": ERROR}
                 if "requestBody" in op:
                     add(400, "the body is not JSON text (e.g. not UTF-8)")
+                    add(415, "the body is sent as another media type than JSON (`Content-Type`)")
                     add(413, "the body is larger than the API accepts (docs/limits.md)")
                 if (method, path) in authed:
                     add(401, "over TCP: no valid `Authorization: Bearer` token")
