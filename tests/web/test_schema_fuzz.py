@@ -69,6 +69,7 @@ def test_unserved_methods_are_405_with_the_documented_allow(web):
         for path, ops in paths.items():
             url = path.replace("{job_id}", "1").replace("{token_id}", "abc")
             documented = {m.upper() for m in ops}
+            documented |= {"HEAD"} if "GET" in documented else set()     # served as GET
             for method in ("OPTIONS", "PUT", "PATCH"):
                 if method.lower() in ops:
                     continue
@@ -76,3 +77,25 @@ def test_unserved_methods_are_405_with_the_documented_allow(web):
                 assert r.status_code == 405, (method, path, r.status_code)
                 assert set(r.headers["allow"].replace(" ", "").split(",")) == documented, (method, path, r.headers)
                 assert r.json()["detail"]
+
+
+def test_head_is_answered_as_get_without_the_content(web):
+    """RFC 9110 9.3.2: HEAD is GET without the content. Every documented GET (the long poll
+    `/wait` aside) answers HEAD with its status and headers and no body, a job's page included,
+    with a token and without one; HEAD of a path that serves no GET is a 405 like any other."""
+    token = web.token("nobody")
+    paths = httpx.get(f"{web.url}/openapi.json").json()["paths"]
+    with web.http(token) as c:
+        job = c.post("/v1/jobs", json={"argv": ["true"], "cwd": "/tmp"}).json()["id"]
+        gets = [p.replace("{job_id}", str(job)) for p, ops in paths.items()
+                if "get" in ops and not p.endswith("/wait") and "{token_id}" not in p]
+        assert "/v1/health" in gets and f"/v1/jobs/{job}" in gets, gets
+        for path in gets:
+            got, head = c.get(path), c.head(path)
+            assert head.status_code == got.status_code, (path, head.status_code, got.status_code)
+            assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"], path
+        r = c.head(f"/v1/jobs/{job}/cancel")
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.content == b"", r.headers
+    anonymous = httpx.head(f"{web.url}/v1/jobs")
+    assert anonymous.status_code == 401 and anonymous.content == b""
+    assert httpx.head(f"{web.url}/v1/health").status_code == 200

@@ -9,7 +9,8 @@ added here by rule; refusals particular to one operation are listed in EXTRA (th
 (tests/web/test_schema_fuzz.py), then sees only documented statuses and bodies.
 
 Starlette answers a method that a path does not serve with 405 and an `Allow` header naming only
-the first route on that path; `allow_all_methods` names every method the path serves.
+the first route on that path; `allow_all_methods` names every method the path serves. FastAPI's
+routes serve only the methods they name, so HEAD was a 405 everywhere: `HeadAsGet` serves it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpuswap.api.views import ErrorDetail
 
@@ -76,6 +78,7 @@ def install(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(StarletteHTTPException)
     async def allow_all_methods(request: Request, exc: StarletteHTTPException) -> Response:
@@ -85,6 +88,30 @@ def install(app: FastAPI) -> None:
                 match, _ = route.matches(request.scope)
                 if match != Match.NONE:
                     methods |= set(getattr(route, "methods", None) or ())
+            if "GET" in methods:
+                methods.add("HEAD")             # served as GET (`HeadAsGet`)
             if methods:
                 exc.headers = {**(exc.headers or {}), "Allow": ", ".join(sorted(methods))}
         return await http_exception_handler(request, exc)
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered as GET would be, without the content (RFC 9110
+    9.3.2: "identical to GET except that the server MUST NOT send content"): `curl -I` and the
+    monitors that probe `/v1/health` with HEAD got a 405. The GET's headers are kept, its length
+    included, as the RFC allows; the server (uvicorn, told HEAD) frames no body."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_content(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_content)
