@@ -120,6 +120,24 @@ def test_bad_listen_address_is_one_line(make_daemon, home, spec, message, code):
     assert r.returncode == code and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_requests_that_cannot_be_parsed_are_logged_once_a_minute_not_once_each(web):
+    """uvicorn writes a WARNING line for each request it cannot parse, and anyone who reaches
+    --listen may send such requests: the log grew a line each, without end. Each is still answered
+    400 and the daemon goes on; its log says so once a minute (conn_guard.OncePerMinute)."""
+    import socket
+
+    host, port = web.url.removeprefix("http://").rsplit(":", 1)
+    for _ in range(40):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert s.recv(200).startswith(b"HTTP/1.1 400 "), "not answered 400"
+    with web.http(None) as c:
+        assert c.get("/v1/health").json()["ok"]
+    log = (web.daemon.home / "daemon.out").read_text()
+    said = [ln for ln in log.splitlines() if "Invalid HTTP request" in ln]
+    assert len(said) == 1 and "answered 400 (said at most once a minute)" in said[0], log[-3000:]
+
+
 def test_port_in_use_is_one_line_exit_1(web, tmp_path):
     port = web.url.rsplit(":", 1)[1]
     env = dict(os.environ, GPUSWAP_HOME=str(tmp_path))

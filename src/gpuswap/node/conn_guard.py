@@ -18,7 +18,7 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("gpuswap.connections")
 
@@ -131,26 +131,42 @@ def server_limits(guard: ConnectionGuard) -> dict[str, Any]:
 
 
 class OncePerMinute(logging.Filter):
-    """asyncio logs 'socket.accept() out of system resource' for each pending connection every
-    second while fds are exhausted; let one through a minute."""
+    """Of the records whose message holds `fragment`, let one through a minute, rewritten by `say`
+    (with how many were held back since the last one). For messages a client or the kernel can
+    repeat without end: asyncio logs 'socket.accept() out of system resource' for each pending
+    connection every second while fds are exhausted; uvicorn logs 'Invalid HTTP request received.'
+    for each malformed request, which anyone who reaches --listen may send (one WARNING line each:
+    an unbounded log)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fragment: str, say: Callable[[logging.LogRecord], str]) -> None:
         super().__init__()
-        self.last = 0.0
+        self.fragment, self.say = fragment, say
+        self.last = float("-inf")
+        self.held_back = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "out of system resource" not in str(record.msg):
+        if self.fragment not in str(record.msg):
             return True
         now = time.monotonic()
         if now - self.last < 60.0:
+            self.held_back += 1
             return False
         self.last = now
-        exc = record.exc_info[1] if record.exc_info else None
-        record.msg = (f"{str(record.msg).splitlines()[0]}: {exc or 'no file descriptors'}; new connections wait "
-                      "(said at most once a minute)")
+        more = f"; {self.held_back} more held back since the last such line" if self.held_back else ""
+        record.msg = f"{self.say(record)} (said at most once a minute{more})"
         record.args, record.exc_info, record.exc_text = (), None, None
+        self.held_back = 0
         return True
 
 
+def _accept_error(record: logging.LogRecord) -> str:
+    exc = record.exc_info[1] if record.exc_info else None
+    return f"{str(record.msg).splitlines()[0]}: {exc or 'no file descriptors'}; new connections wait"
+
+
 def quiet_accept_errors() -> None:
-    logging.getLogger("asyncio").addFilter(OncePerMinute())
+    """The two floods above, each said at most once a minute. (uvicorn's logging set-up keeps a
+    logger's filters: its dictConfig does not remove them.)"""
+    logging.getLogger("asyncio").addFilter(OncePerMinute("out of system resource", _accept_error))
+    logging.getLogger("uvicorn.error").addFilter(OncePerMinute(
+        "Invalid HTTP request received", lambda r: "Invalid HTTP request received: answered 400"))
