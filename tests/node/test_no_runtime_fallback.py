@@ -71,6 +71,12 @@ def test_attached_but_slow_job_is_not_preempted_again_after_a_timeout(make_daemo
     urgent = d.submit(["true"], name="urgent", priority="urgent")
     j = d.until(slow, lambda j: any("cannot park" in e["reason"] for e in j["events"]), timeout=30)
     assert "no safepoint reached within 2 s" in j["reason"] and "will not be preempted" in j["reason"]
+    # The daemon withdraws the pause through the job's supervisor, which sends the runtime a
+    # `resume`. The job's next safepoint waits for that (the gate opens once it is sent): opened at
+    # the daemon's event, the safepoint could come first, take the pause still asked and park (to
+    # be resumed at once), a race no withdrawal can win against a safepoint already under way.
+    log = d.home / "jobs" / str(slow) / "run-1" / "supervisor.log"
+    d.until(slow, lambda j: log.exists() and "sent {'op': 'resume'" in log.read_text(), timeout=30)
     gate.open()
     # Its next safepoint (step 0) has passed. (`(step or -1) >= 0` read step 0 as -1 and waited a
     # 6 s step more, for step 1.)
